@@ -1,0 +1,225 @@
+"""Configuration: one frozen dataclass per concern, every field documented, validated before any work.
+
+A recipe is a TOML file whose sections match the dataclasses: [model], [student], [optim], [dmd2],
+[train], [eval]. Field docs live in `metadata["doc"]`; the option reference page is generated from
+them. Every error names the option and what to change.
+"""
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dmd2.critic import LOSS_SPACES
+from dmd2.scoring import CRITIC_SCORING_MODES
+
+LOSS_TYPES = ("dmd2", "flow_matching")
+
+
+class ConfigError(ValueError):
+    """An invalid option; the message names it and the fix."""
+
+
+def option(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where the models come from."""
+
+    teacher: str = option("", "Teacher: a diffusers model directory (or hub id), or `builtin:digits`.")
+    student: str | None = option(None, "Student initialisation; default: the teacher's weights.")
+    critic_load: str | None = option(None, "Critic initialisation (DMD2 only); default: the teacher.")
+
+
+@dataclass(frozen=True)
+class StudentConfig:
+    """The student's few-step sampler."""
+
+    num_steps: int = option(4, "N, the student's steps: grid [1, (N-1)/N, ..., 1/N] before the shift.")
+    shift: float = option(1.0, "Time shift of the student's grid (SD3's shift; 1 = none).")
+    guidance_scale: float = option(1.0, "CFG of the student's rollouts; DMD2 students are unguided (1).")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW for the student (actor) and the critic."""
+
+    lr: float = option(2e-6, "Student learning rate.")
+    critic_lr: float | None = option(None, "Critic learning rate (DMD2 only); default: `lr`.")
+    betas: tuple[float, float] = option((0.0, 0.999), "AdamW betas (the flow DMD2 recipes use beta1 = 0).")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    grad_clip: float = option(1.0, "Max gradient norm per step; 0 disables clipping.")
+    warmup_steps: int = option(0, "Linear learning-rate warmup, in optimizer steps.")
+
+
+@dataclass(frozen=True)
+class DMD2Config:
+    """Distribution matching distillation (Yin et al. 2024)."""
+
+    critic_steps_per_rollout: int = option(5, "K: critic updates per generator update (two time-scale rule).")
+    actor_steps_per_rollout: int = option(1, "Generator updates per rollout; DMD2 takes exactly 1.")
+    teacher_guidance_scale: float = option(4.5, "CFG of the teacher's real score (>= 1).")
+    score_sigma_range: tuple[float, float] = option(
+        (0.02, 0.98), "Unshifted sigma range of the scored samples (tianweiy/DMD2's 2-98%)."
+    )
+    critic_loss_space: str = option("velocity", "Space of the critic's loss: `velocity` or `x0`.")
+    critic_scoring: str = option(
+        "fused", "`fused`: score from the critic's last training forward; `original`: separate draw before it."
+    )
+    sigma_shift: float = option(1.0, "Shift of the critic's training sigma distribution (the teacher's).")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The run: how many rollouts, how big, on how many ranks."""
+
+    loss_type: str = option("dmd2", "`dmd2`, or `flow_matching` (plain fine-tuning, no critic).")
+    rollouts: int = option(100, "Rollouts (generator updates) to run.")
+    rollout_batch_size: int = option(320, "Samples per rollout over all ranks (K * B * world_size).")
+    world_size: int = option(1, "Data-parallel ranks per trainer group.")
+    seed: int = option(0, "Seed of every random draw; the same seed replays the same run.")
+    save_interval: int = option(0, "Checkpoint every this many rollouts; 0: only at the end.")
+    eval_interval: int = option(0, "Evaluate every this many rollouts; 0: only at the end.")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation of the student (the built-in digits evaluator)."""
+
+    num_samples: int = option(1000, "Samples generated per evaluation (balanced over classes).")
+    reference_steps: int = option(32, "Euler steps of the teacher's reference samples (fidelity FD).")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """A whole recipe."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    student: StudentConfig = field(default_factory=StudentConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dmd2: DMD2Config | None = field(default_factory=DMD2Config)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self):
+        _validate(self)
+
+    @property
+    def critic_lr(self) -> float:
+        return self.optim.critic_lr if self.optim.critic_lr is not None else self.optim.lr
+
+    @property
+    def critic_batch_size(self) -> int:
+        """B: samples per critic step per rank (the actor trains on the last B of each rank's shard)."""
+        return self.train.rollout_batch_size // self.train.world_size // self.dmd2.critic_steps_per_rollout
+
+    def replace(self, section: str, **changes: Any) -> "DistillConfig":
+        """A copy with some options of one section changed (validated again)."""
+        return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **changes)})
+
+
+SECTION_TYPES = {"model": ModelConfig, "student": StudentConfig, "optim": OptimConfig,
+                 "dmd2": DMD2Config, "train": TrainConfig, "eval": EvalConfig}
+
+
+def _section(name: str, cls: type, values: dict[str, Any], source: str) -> Any:
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"{source}: unknown option(s) {', '.join(f'[{name}] {k}' for k in unknown)}; "
+                          f"[{name}] takes {', '.join(known)}")
+    converted = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return cls(**converted)
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> DistillConfig:
+    """Build a config from nested dicts (a parsed TOML recipe); unknown sections or keys are errors."""
+    unknown = sorted(set(data) - set(SECTION_TYPES))
+    if unknown:
+        raise ConfigError(f"{source}: unknown section(s) {unknown}; sections are {list(SECTION_TYPES)}")
+    sections = {name: _section(name, SECTION_TYPES[name], values, source) for name, values in data.items()}
+    if "dmd2" not in sections and sections.get("train", TrainConfig()).loss_type != "dmd2":
+        sections["dmd2"] = None  # no critic: a [dmd2] section would be read by nothing
+    return DistillConfig(**sections)
+
+
+def load_recipe(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None) -> DistillConfig:
+    """Read a TOML recipe; `overrides` ({section: {option: value}}) win over the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe {path} does not exist; pass a TOML file such as recipes/digits-4step.toml")
+    with path.open("rb") as f:
+        data = tomllib.load(f)
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {}).update(values)
+    return config_from_dict(data, source=str(path))
+
+
+def config_to_dict(config: DistillConfig) -> dict[str, Any]:
+    """Nested plain dict of every option (for logging as params and for checkpoints)."""
+    return {name: dataclasses.asdict(getattr(config, name)) for name in SECTION_TYPES
+            if getattr(config, name) is not None}
+
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _validate(config: DistillConfig) -> None:
+    """DESIGN §2's rules, checked before any work; each message names the option and the fix."""
+    train, optim, student = config.train, config.optim, config.student
+    _check(train.loss_type in LOSS_TYPES, f"[train] loss_type must be one of {LOSS_TYPES}, got {train.loss_type!r}")
+    _check(student.num_steps >= 1, f"[student] num_steps must be >= 1, got {student.num_steps}")
+    _check(student.shift > 0, f"[student] shift must be > 0, got {student.shift}")
+    _check(optim.lr > 0, f"[optim] lr must be > 0, got {optim.lr}")
+    _check(optim.critic_lr is None or optim.critic_lr > 0, f"[optim] critic_lr must be > 0, got {optim.critic_lr}")
+    _check(len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas),
+           f"[optim] betas must be two numbers in [0, 1), got {optim.betas}")
+    _check(optim.grad_clip >= 0, f"[optim] grad_clip must be >= 0 (0 disables it), got {optim.grad_clip}")
+    _check(train.rollouts >= 1, f"[train] rollouts must be >= 1, got {train.rollouts}")
+    _check(train.world_size >= 1, f"[train] world_size must be >= 1, got {train.world_size}")
+    _check(train.save_interval >= 0 and train.eval_interval >= 0,
+           "[train] save_interval and eval_interval must be >= 0 (0: only at the end)")
+    _check(train.rollout_batch_size % train.world_size == 0,
+           f"[train] rollout_batch_size ({train.rollout_batch_size}) must split evenly over "
+           f"world_size ({train.world_size}) ranks")
+    if train.loss_type == "dmd2":
+        _validate_dmd2(config)
+    else:
+        _check(config.dmd2 is None, f"[dmd2] options are read only with [train] loss_type = 'dmd2' "
+                                    f"(got {train.loss_type!r}): remove the [dmd2] section")
+        _check(optim.critic_lr is None, "[optim] critic_lr is read only under DMD2 (there is no critic): remove it")
+        _check(config.model.critic_load is None,
+               "[model] critic_load is read only under DMD2 (there is no critic): remove it")
+
+
+def _validate_dmd2(config: DistillConfig) -> None:
+    dmd2, train = config.dmd2, config.train
+    _check(dmd2 is not None, "[train] loss_type = 'dmd2' needs a [dmd2] section (an empty one takes the defaults)")
+    _check(bool(config.model.teacher), "[model] teacher is required for DMD2: a diffusers model directory, "
+                                       "hub id, or builtin:digits")
+    _check(dmd2.teacher_guidance_scale >= 1,
+           f"[dmd2] teacher_guidance_scale must be >= 1 (1 = unguided), got {dmd2.teacher_guidance_scale}")
+    low, high = dmd2.score_sigma_range
+    _check(0 <= low < high <= 1, f"[dmd2] score_sigma_range must satisfy 0 <= min < max <= 1, got {(low, high)}")
+    _check(config.student.guidance_scale == 1.0, "[student] guidance_scale must be 1 under DMD2: the student "
+                                                 "learns the guided teacher and samples unguided")
+    _check(dmd2.actor_steps_per_rollout == 1,
+           f"[dmd2] actor_steps_per_rollout must be 1 (one generator update per K critic updates), "
+           f"got {dmd2.actor_steps_per_rollout}")
+    _check(dmd2.critic_steps_per_rollout >= 1,
+           f"[dmd2] critic_steps_per_rollout must be >= 1, got {dmd2.critic_steps_per_rollout}")
+    shard = train.rollout_batch_size // train.world_size
+    _check(shard % dmd2.critic_steps_per_rollout == 0 and shard > 0,
+           f"[dmd2] critic_steps_per_rollout ({dmd2.critic_steps_per_rollout}) must divide each rank's shard "
+           f"of {shard} samples ([train] rollout_batch_size / world_size): change either")
+    _check(dmd2.critic_loss_space in LOSS_SPACES,
+           f"[dmd2] critic_loss_space must be one of {LOSS_SPACES}, got {dmd2.critic_loss_space!r}")
+    _check(dmd2.critic_scoring in CRITIC_SCORING_MODES,
+           f"[dmd2] critic_scoring must be one of {CRITIC_SCORING_MODES}, got {dmd2.critic_scoring!r}")
+    _check(dmd2.sigma_shift > 0, f"[dmd2] sigma_shift must be > 0, got {dmd2.sigma_shift}")

@@ -1,0 +1,85 @@
+"""The fake-score critic's flow-matching step (DESIGN §2 step 3; DMD2 "guidance" / fake score update).
+
+The critic learns the student's current distribution: the flow-matching loss of the teacher's own
+training, on the detached student sample x0_hat with fresh noise. The last of the K steps per rollout
+also keeps what scoring needs, from the same forward (fused scoring), i.e. before that step's update.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dmd2.model import Cond, VelocityFn
+from dmd2.schedule import add_noise, shift_sigma, velocity_target, x0_from_velocity
+
+LOSS_SPACES = ("velocity", "x0")
+
+
+@dataclass(frozen=True)
+class ScoringInputs:
+    """Kept by the critic for scoring: x_s [B, ...], sigma [B], x0_fake [B, ...] (detached), sample_index [B]."""
+
+    x_s: Tensor
+    sigma: Tensor
+    x0_fake: Tensor
+    sample_index: Tensor
+
+
+def training_sigma(u: Tensor, shift: float, sigma_range: tuple[float, float] = (0.0, 1.0)) -> Tensor:
+    """Map uniform draws u [B] to training sigmas: uniform in `sigma_range`, then the time shift.
+
+    The range bounds the unshifted sigma (FastGen's min_t..max_t convention), so a scoring range of
+    (0.02, 0.98) means the same noise levels whatever the shift.
+    """
+    low, high = sigma_range
+    return shift_sigma(low + (high - low) * u, shift)
+
+
+def flow_matching_loss(
+    model: VelocityFn, x0: Tensor, cond: Cond, sigma: Tensor, eps: Tensor, loss_space: str = "velocity"
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample flow-matching loss (Lipman et al. 2023; Esser et al. 2024 eq. 3).
+
+    x_s = (1 - sigma) x0 + sigma eps, v = model(x_s, sigma, cond);
+    velocity space: mean_{CHW} (v - (eps - x0))^2; x0 space: mean_{CHW} (x_s - sigma v - x0)^2, which is
+    sigma^2 times the velocity loss. Returns (loss [B], x_s [B, ...], v [B, ...]).
+    """
+    x_s = add_noise(x0, eps, sigma)
+    v = model(x_s, sigma, cond)
+    if loss_space == "velocity":
+        error = v.float() - velocity_target(x0, eps).float()
+    elif loss_space == "x0":
+        error = x0_from_velocity(x_s, sigma, v).float() - x0.float()
+    else:
+        raise ValueError(f"loss space must be one of {LOSS_SPACES}, got {loss_space!r}")
+    return error.pow(2).flatten(1).mean(1), x_s, v
+
+
+def critic_loss(
+    critic: VelocityFn,
+    x0_hat: Tensor,
+    cond: Cond,
+    sample_index: Tensor,
+    eps: Tensor,
+    u: Tensor,
+    *,
+    shift: float,
+    loss_space: str,
+    score_sigma_range: tuple[float, float] | None,
+) -> tuple[Tensor, ScoringInputs | None]:
+    """One critic step's loss on the student's detached x0_hat; keeps scoring inputs on the last step.
+
+    Pass `score_sigma_range` on the step that scores (the last of K, fused scoring): sigma is then drawn
+    inside that range and (x_s, sigma, x0_fake = x_s - sigma v_fake) are returned, detached, from this
+    very forward — the critic as it was before the step that trains on these samples.
+    Returns (scalar loss, ScoringInputs or None).
+    """
+    keeps = score_sigma_range is not None
+    sigma = training_sigma(u, shift, score_sigma_range if keeps else (0.0, 1.0))
+    per_sample, x_s, v = flow_matching_loss(critic, x0_hat.detach(), cond, sigma, eps, loss_space)
+    kept = None
+    if keeps:
+        with torch.no_grad():
+            kept = ScoringInputs(x_s.detach(), sigma, x0_from_velocity(x_s, sigma, v).detach(), sample_index)
+    return per_sample.mean(), kept

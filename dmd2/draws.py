@@ -1,0 +1,56 @@
+"""Every random number of a rollout, drawn so that it does not depend on how the batch is split.
+
+A rollout's global batch holds M = world_size * K * B samples. Each stream ("noise", "stop", ...) is
+drawn for all M rows from a generator seeded by (seed, rollout id, stream name), and a rank keeps its
+own rows. World size 1 and world size 2 therefore see the same numbers for the same sample, resuming a
+run replays the same draws, and the in-process loop and the orchestrated flow agree.
+"""
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def seeded_generator(*keys: object) -> torch.Generator:
+    """A CPU generator seeded by a stable hash of `keys` (Python's hash() is salted per process)."""
+    digest = hashlib.sha256(repr(keys).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+@dataclass(frozen=True)
+class RolloutDraws:
+    """Named random streams of one rollout, each drawn for the whole global batch."""
+
+    seed: int
+    rollout_id: int
+    global_size: int
+
+    def _generator(self, stream: str) -> torch.Generator:
+        return seeded_generator(self.seed, self.rollout_id, stream)
+
+    def normal(self, stream: str, rows: Tensor, sample_shape: tuple[int, ...]) -> Tensor:
+        """Standard normal noise of shape [len(rows), *sample_shape]."""
+        full = torch.randn((self.global_size, *sample_shape), generator=self._generator(stream))
+        return full[rows]
+
+    def uniform(self, stream: str, rows: Tensor) -> Tensor:
+        """U[0, 1) per row, shape [len(rows)]."""
+        return torch.rand(self.global_size, generator=self._generator(stream))[rows]
+
+    def integers(self, stream: str, high: int, rows: Tensor) -> Tensor:
+        """Uniform integers in [0, high) per row, int64 [len(rows)]."""
+        return torch.randint(high, (self.global_size,), generator=self._generator(stream))[rows]
+
+
+def shard_rows(rank: int, world_size: int, steps: int, batch: int) -> Tensor:
+    """Global sample indices of a rank's shard, ordered so that local rows [j*B, (j+1)*B) are step j's.
+
+    Step j's global batch is always samples [j*W*B, (j+1)*W*B), whatever the world size W: rank r takes
+    [j*W*B + r*B, j*W*B + (r+1)*B). So a world of W ranks at B per rank trains on exactly the samples
+    one rank at W*B would.
+    """
+    step = torch.arange(steps).repeat_interleave(batch)
+    within = torch.arange(batch).repeat(steps)
+    return step * world_size * batch + rank * batch + within

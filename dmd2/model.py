@@ -1,0 +1,63 @@
+"""One call for every model: velocity for (x_s, sigma, cond).
+
+The algorithm only ever sees a `VelocityFn`; tests pass lambdas or tiny modules, the trainer passes a
+`DiffusersVelocity` over a diffusers model (UNet2DModel, SD3Transformer2DModel, ...). Conditioning is a
+dict of per-sample tensors (batched along dim 0) handed to the model as keyword arguments, e.g.
+`{"class_labels": [B]}` for the digits UNet or `{"encoder_hidden_states": ..., "pooled_projections": ...}`
+for a text-to-image transformer.
+"""
+
+import inspect
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from dmd2.schedule import cfg, timestep
+
+Cond = dict[str, Tensor]
+VelocityFn = Callable[[Tensor, Tensor, Cond], Tensor]
+
+
+class DiffusersVelocity:
+    """Adapter: `v = model(x_s, t=1000*sigma, **cond)` for a diffusers model that predicts velocity.
+
+    diffusers names the noisy input `sample` (UNets) or `hidden_states` (transformers); the adapter
+    reads the name from the model's forward signature so the same code serves both.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._input_name = next(iter(inspect.signature(model.forward).parameters))
+
+    def __call__(self, x_s: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        t = timestep(sigma).to(x_s.dtype)
+        return self.model(**{self._input_name: x_s}, timestep=t, **cond, return_dict=False)[0]
+
+
+def guided(velocity_fn: VelocityFn, scale: float, neg_cond: Cond) -> VelocityFn:
+    """CFG over `neg_cond` (`v = v_neg + w (v_pos - v_neg)`), both branches in one batched forward.
+
+    With scale 1 the negative branch cannot change the result, so it is not computed.
+    """
+    if scale == 1.0:
+        return velocity_fn
+
+    def guided_fn(x_s: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        both = velocity_fn(torch.cat([x_s, x_s]), torch.cat([sigma, sigma]), cat_cond(cond, neg_cond))
+        v_pos, v_neg = both.chunk(2)
+        return cfg(v_pos, v_neg, scale)
+
+    return guided_fn
+
+
+def cond_rows(cond: Cond, rows: Tensor | slice) -> Cond:
+    """The conditioning of a subset of samples."""
+    return {key: value[rows] for key, value in cond.items()}
+
+
+def cat_cond(first: Cond, second: Cond) -> Cond:
+    """Concatenate two conditionings sample-wise; both must have the same keys."""
+    if first.keys() != second.keys():
+        raise ValueError(f"cannot batch conds with keys {sorted(first)} and {sorted(second)}")
+    return {key: torch.cat([first[key], second[key]]) for key in first}

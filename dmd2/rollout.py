@@ -1,0 +1,88 @@
+"""The student's few-step rollout with backward simulation (DMD2, Yin et al. 2024, §4.5).
+
+DMD2 trains the student at every step of its own sampler: per sample a stop index i ~ U{0..N-1} is
+drawn, the student runs its steps before i (no grad), and the pair at step i — its input `x_i` and its
+prediction `x0_hat_i` — is what the critic and the generator train on. The student's sampler predicts
+x0 and re-noises it to the next grid sigma with fresh noise (consistency-style multistep sampling).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dmd2.model import Cond, VelocityFn, cond_rows
+from dmd2.schedule import add_noise, x0_from_velocity
+
+
+@dataclass(frozen=True)
+class RolloutSamples:
+    """Student samples stopped at their step i; every tensor has one row per sample.
+
+    x_i [M, C, H, W] (the student's input at step i), x0_hat [M, C, H, W] (its x0 prediction there),
+    sigma [M] (sigma_i), step_index [M] int64 (i; N marks a full trajectory), cond / neg_cond (the
+    positive and negative conditioning), sample_index [M] int64 (the row in the rollout's global batch).
+    """
+
+    x_i: Tensor
+    x0_hat: Tensor
+    sigma: Tensor
+    step_index: Tensor
+    cond: Cond
+    neg_cond: Cond
+    sample_index: Tensor
+
+    def __len__(self) -> int:
+        return self.x_i.shape[0]
+
+
+@torch.no_grad()
+def backward_simulate(
+    student: VelocityFn,
+    noise: Tensor,
+    sigmas: Tensor,
+    stop_index: Tensor,
+    cond: Cond,
+    renoise: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Run each sample's steps before its stop index; return (x_i, x0_hat_i, sigma_i).
+
+    noise [M, ...] starts every sample at sigmas[0]; sigmas [N] is the student's grid; stop_index [M]
+    in [0, N] (N runs the whole trajectory: x_i = x0_hat = the final sample, sigma_i = 0);
+    renoise [N - 1, M, ...] is the fresh noise of each transition j -> j + 1. Only samples still running
+    are evaluated, so a sample stopping at i costs exactly i + 1 student calls.
+    """
+    num_steps = sigmas.shape[0]
+    x = noise.clone()
+    x_i, x0_hat = torch.empty_like(noise), torch.empty_like(noise)
+    sigma_i = torch.zeros(noise.shape[0])
+    for j in range(num_steps):
+        rows = (stop_index >= j).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            break
+        sigma = sigmas[j].expand(rows.numel())
+        x0 = x0_from_velocity(x[rows], sigma, student(x[rows], sigma, cond_rows(cond, rows)))
+        stops = stop_index[rows] == j
+        x_i[rows[stops]], x0_hat[rows[stops]], sigma_i[rows[stops]] = x[rows[stops]], x0[stops], sigmas[j]
+        goes_on = rows[~stops]
+        if j + 1 < num_steps:
+            next_sigma = sigmas[j + 1].expand(goes_on.numel())
+            x[goes_on] = add_noise(x0[~stops], renoise[j][goes_on], next_sigma)
+        else:  # the last step lands on sigma = 0: the prediction is the sample
+            x[goes_on] = x0[~stops]
+    done = stop_index == num_steps
+    x_i[done], x0_hat[done] = x[done], x[done]
+    return x_i, x0_hat, sigma_i
+
+
+@torch.no_grad()
+def euler_sample(model: VelocityFn, noise: Tensor, sigmas: Tensor, cond: Cond) -> Tensor:
+    """Deterministic Euler ODE sampler: x <- x + (sigma_next - sigma) * v, over sigmas [N + 1] ending at 0.
+
+    This is how the teacher samples (its many-step reference); pass a `guided` model for CFG.
+    """
+    x = noise.clone()
+    for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+        v = model(x, sigma.expand(x.shape[0]), cond)
+        x = x + (sigma_next - sigma) * v
+    return x

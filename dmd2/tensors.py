@@ -1,0 +1,49 @@
+"""Flat tensor dicts for the records the stages hand each other (what safetensors can store).
+
+A record is a frozen dataclass whose fields are tensors or dicts of tensors (conditionings); a dict
+field `cond` with key `class_labels` is stored as `cond.class_labels`.
+"""
+
+import dataclasses
+from typing import TypeVar
+
+from torch import Tensor
+
+Record = TypeVar("Record")
+
+
+def to_tensor_dict(record: object) -> dict[str, Tensor]:
+    """Flatten a record into {name: tensor}, contiguous as safetensors requires."""
+    flat: dict[str, Tensor] = {}
+    for field in dataclasses.fields(record):
+        value = getattr(record, field.name)
+        if isinstance(value, dict):
+            flat.update({f"{field.name}.{key}": tensor.contiguous() for key, tensor in value.items()})
+        else:
+            flat[field.name] = value.contiguous()
+    return flat
+
+
+def from_tensor_dict(record_type: type[Record], flat: dict[str, Tensor]) -> Record:
+    """Rebuild a record from `to_tensor_dict`'s output; a missing or unexpected key is an error."""
+    values: dict[str, object] = {}
+    for field in dataclasses.fields(record_type):
+        if field.name in flat:
+            values[field.name] = flat[field.name]
+        else:
+            prefix = field.name + "."
+            values[field.name] = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+    known = {f.name for f in dataclasses.fields(record_type)}
+    unexpected = [key for key in flat if key.split(".")[0] not in known]
+    if unexpected:
+        raise ValueError(f"{record_type.__name__} has no fields {unexpected}")
+    return record_type(**values)
+
+
+def select_rows(record: Record, rows: Tensor | slice) -> Record:
+    """The same record restricted to some rows (every field is batched along dim 0)."""
+    picked = {}
+    for field in dataclasses.fields(record):
+        value = getattr(record, field.name)
+        picked[field.name] = {k: v[rows] for k, v in value.items()} if isinstance(value, dict) else value[rows]
+    return type(record)(**picked)
