@@ -1,0 +1,557 @@
+"""Tests of infra/store.py: every store behaviour runs on file:// and on a real S3 API (moto)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+import botocore.exceptions
+import pytest
+import torch
+
+from infra.store import (
+    ArtifactExistsError,
+    ArtifactRef,
+    ArtifactStore,
+    IntegrityError,
+    RetryPolicy,
+    StoreAccessError,
+    StoreNotFoundError,
+    StoreUnavailableError,
+)
+from infra.store_faults import Fault, call_with_retries, classify
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RUN = "run-1"
+
+
+def assert_bitwise_equal(expected: dict, actual: dict) -> None:
+    """Same names, dtypes, shapes and bytes (NaN payloads and -0.0 included)."""
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():
+        got = actual[name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+        assert torch.equal(_raw_bytes(got), _raw_bytes(tensor)), name
+
+
+def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def sample_tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-45])
+    return {
+        "fp32": torch.cat([torch.randn(1000, generator=generator), special]).reshape(5, 201),
+        "bf16": torch.cat([torch.randn(16, generator=generator), special]).to(torch.bfloat16),
+        "fp16": torch.cat([torch.randn(64, generator=generator), special]).to(torch.float16),
+        "int64": torch.tensor([0, -1, 2**62, -(2**63), 2**63 - 1]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+    }
+
+
+def make_source_dir(path: Path, sizes: dict[str, int], seed: int = 0) -> Path:
+    """A folder of files with random contents: {relative path: size in bytes}."""
+    generator = torch.Generator().manual_seed(seed)
+    for rel_path, size in sizes.items():
+        target = path / rel_path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+        target.write_bytes(data.numpy().tobytes())
+    return path
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)
+
+
+# -- references ----------------------------------------------------------------------------------
+
+
+def test_ref_round_trips_through_json_and_dict():
+    ref = ArtifactRef("file:///a/b.safetensors", "0" * 64, 12, "tensors")
+    assert ArtifactRef.from_json(ref.to_json()) == ref
+    assert ArtifactRef.from_dict(ref.to_dict()) == ref
+    assert pickle.loads(pickle.dumps(ref)) == ref
+    with pytest.raises(AttributeError):
+        ref.uri = "file:///elsewhere"  # frozen
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"uri": "no-scheme", "sha256": "0" * 64, "nbytes": 1, "kind": "json"},
+        {"uri": "file:///a", "sha256": "XYZ", "nbytes": 1, "kind": "json"},
+        {"uri": "file:///a", "sha256": "0" * 64, "nbytes": -1, "kind": "json"},
+        {"uri": "file:///a", "sha256": "0" * 64, "nbytes": 1, "kind": "pickle"},
+    ],
+)
+def test_ref_refuses_bad_fields(fields):
+    with pytest.raises(ValueError):
+        ArtifactRef(**fields)
+    with pytest.raises(ValueError):
+        ArtifactRef.from_dict({**fields, "extra": 1})
+
+
+# -- round trips ---------------------------------------------------------------------------------
+
+
+def test_tensor_round_trip_is_bitwise(store_target):
+    store = ArtifactStore(store_target.root_uri)
+    tensors = sample_tensors()
+    key = store.rollout_key(RUN, 3, "critic", 1)
+    ref = store.put_tensors(key, tensors)
+    assert ref.uri == f"{store.root_uri}/{RUN}/rollout-3/critic/rank-1.safetensors"
+    assert ref.kind == "tensors" and ref.nbytes > 0
+    assert_bitwise_equal(tensors, store.get_tensors(ref))
+    # A ref that went through JSON (as Prefect persists it) reads the same.
+    assert_bitwise_equal(tensors, store.get_tensors(ArtifactRef.from_json(ref.to_json())))
+
+
+def test_json_round_trip(store_target):
+    store = ArtifactStore(store_target.root_uri)
+    value = {"loss": 0.25, "steps": [1, 2, 3], "name": "dmd2", "nested": {"ok": True}}
+    ref = store.put_json(f"{RUN}/rollout-0/metrics.json", value)
+    assert store.get_json(ref) == value
+
+
+def test_diffusers_model_directory_round_trip(store_target, tmp_path):
+    from diffusers import UNet2DModel
+
+    torch.manual_seed(0)
+    model = UNet2DModel(
+        sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+        layers_per_block=1, norm_num_groups=4,
+    )
+    model.save_pretrained(tmp_path / "saved")
+    store = ArtifactStore(store_target.root_uri)
+
+    ref = store.put_dir(store.checkpoint_key(RUN, 100), tmp_path / "saved")
+    restored_dir = store.get_dir(ref, tmp_path / "restored")
+
+    assert tree_bytes(restored_dir) == tree_bytes(tmp_path / "saved")
+    restored = UNet2DModel.from_pretrained(restored_dir).state_dict()
+    original = model.state_dict()
+    assert sorted(restored) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(restored[name], tensor), name
+
+
+def test_get_dir_needs_an_absent_or_empty_destination(store_target, tmp_path):
+    store = ArtifactStore(store_target.root_uri)
+    ref = store.put_dir(f"{RUN}/model", make_source_dir(tmp_path / "src", {"a": 3, "b/c": 4}))
+    (tmp_path / "empty").mkdir()
+    assert tree_bytes(store.get_dir(ref, tmp_path / "empty")) == tree_bytes(tmp_path / "src")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        store.get_dir(ref, tmp_path / "full")
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+
+
+def test_put_dir_refuses_what_it_cannot_store_faithfully(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))  # a bare path is a file:// root
+    assert store.root_uri == f"file://{tmp_path / 'store'}"
+    bad_name = make_source_dir(tmp_path / "bad", {".hidden": 1})
+    reserved = make_source_dir(tmp_path / "reserved", {"MANIFEST.json": 1})
+    linked = make_source_dir(tmp_path / "linked", {"a": 1})
+    (linked / "alias").symlink_to(bad_name, target_is_directory=True)
+    for source in (bad_name, reserved, linked):
+        with pytest.raises(ValueError):
+            store.put_dir(f"{RUN}/model", source)
+    assert store.list_checkpoints(RUN) == [] and not (tmp_path / "store").exists()
+
+
+# -- atomicity -----------------------------------------------------------------------------------
+
+
+def test_put_dir_interrupted_by_exception_leaves_nothing_visible(store_target, tmp_path):
+    store = ArtifactStore(store_target.root_uri)
+    first = make_source_dir(tmp_path / "a", {"w": 10})
+    previous = store.put_dir(store.checkpoint_key(RUN, 100), first)
+    source = make_source_dir(tmp_path / "b", {"w1": 3000, "w2": 3000, "sub/w3": 3000})
+
+    def fail_after_first_file(rel_path: str, nbytes: int) -> None:
+        raise RuntimeError("writer interrupted")
+
+    with pytest.raises(RuntimeError, match="writer interrupted"):
+        store.put_dir(store.checkpoint_key(RUN, 200), source, on_file=fail_after_first_file)
+
+    assert store.list_checkpoints(RUN) == [100]
+    assert store.latest_checkpoint(RUN).ref == previous
+    # The partial write was cleaned up, not merely hidden.
+    assert not [k for k in store_target.raw_keys() if "200" in k]
+    with pytest.raises(FileNotFoundError):
+        store.checkpoint_ref(RUN, 200)
+
+
+def test_failed_tensor_put_leaves_nothing(store_target):
+    store = ArtifactStore(store_target.root_uri)
+    shared = torch.zeros(4)
+    with pytest.raises(Exception):  # safetensors refuses tensors that share memory
+        store.put_tensors(store.rollout_key(RUN, 0, "actor", 0), {"a": shared, "b": shared[:2]})
+    assert store_target.raw_keys() == []
+
+
+WRITER_CHILD = """
+import sys, time
+from infra.store import ArtifactStore
+
+root_uri, source, marker = sys.argv[1:4]
+
+def stall_after_first_file(rel_path, nbytes):
+    open(marker, "w").close()  # tell the parent a file has landed, then wait to be killed
+    time.sleep(600)
+
+store = ArtifactStore(root_uri)
+store.put_dir(store.checkpoint_key("run-1", 200), source, on_file=stall_after_first_file)
+"""
+
+
+def test_writer_killed_mid_write_leaves_nothing_visible(store_target, tmp_path):
+    store = ArtifactStore(store_target.root_uri)
+    first = make_source_dir(tmp_path / "a", {"w": 10})
+    previous = store.put_dir(store.checkpoint_key(RUN, 100), first)
+    names = ("optim.safetensors", "shard-0.safetensors", "shard-1.safetensors")
+    source = make_source_dir(tmp_path / "big", {name: 4 << 20 for name in names})
+    marker = tmp_path / "first-file-landed"
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", WRITER_CHILD, store_target.root_uri, str(source), str(marker)],
+        cwd=REPO_ROOT, env=dict(os.environ),
+    )
+    try:
+        wait_for(lambda: marker.exists() or child.poll() is not None, 60, "the first file")
+        assert child.poll() is None, "the writer exited before it could be killed"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+
+    # The kill came mid-write: a file landed (staged or uploaded), but no manifest.
+    leftovers = [k for k in store_target.raw_keys() if "200" in k]
+    assert any(k.endswith("optim.safetensors") for k in leftovers), leftovers
+    assert not any(k.endswith("MANIFEST.json") for k in leftovers)
+    assert store.list_checkpoints(RUN) == [100]
+    assert store.latest_checkpoint(RUN).ref == previous
+    with pytest.raises(FileNotFoundError):
+        store.checkpoint_ref(RUN, 200)
+
+    # Writing the same step again recovers: the leftovers never mix into the new directory.
+    ref = store.put_dir(store.checkpoint_key(RUN, 200), source)
+    assert store.latest_checkpoint(RUN).step == 200
+    assert tree_bytes(store.get_dir(ref, tmp_path / "out")) == tree_bytes(source)
+
+
+def test_latest_checkpoint_ignores_folders_without_manifest(store_target, tmp_path):
+    store = ArtifactStore(store_target.root_uri)
+    ref = store.put_dir(store.checkpoint_key(RUN, 5), make_source_dir(tmp_path / "a", {"w": 1}))
+    # A stray file at a newer step (what a crashed non-atomic writer would leave behind).
+    store.put_json(f"{RUN}/checkpoints/9/w", [1])
+    assert store.list_checkpoints(RUN) == [5]
+    assert store.latest_checkpoint(RUN).ref == ref
+    assert store.latest_checkpoint("other-run") is None
+
+
+def test_put_dir_is_idempotent_but_never_replaces_different_contents(store_target, tmp_path):
+    store = ArtifactStore(store_target.root_uri)
+    key = store.checkpoint_key(RUN, 7)
+    ref = store.put_dir(key, make_source_dir(tmp_path / "a", {"w": 100}, seed=1))
+    assert store.put_dir(key, tmp_path / "a") == ref  # a retried task succeeds
+    with pytest.raises(ArtifactExistsError):
+        store.put_dir(key, make_source_dir(tmp_path / "b", {"w": 100}, seed=2))
+    assert store.checkpoint_ref(RUN, 7) == ref
+
+
+# -- integrity -----------------------------------------------------------------------------------
+
+
+def test_flipped_byte_in_tensors_is_detected(store_target):
+    store = ArtifactStore(store_target.root_uri)
+    key = store.rollout_key(RUN, 0, "score", 0)
+    ref = store.put_tensors(key, sample_tensors())
+    store_target.flip_byte(key, ref.nbytes - 3)  # inside the tensor data, not the header
+
+    with pytest.raises(IntegrityError) as info:
+        store.get_tensors(ref)
+    assert info.value.uri == ref.uri and info.value.expected_sha256 == ref.sha256
+    message = str(info.value)
+    assert ref.uri in message and ref.sha256 in message and info.value.actual_sha256 in message
+    assert info.value.actual_sha256 != ref.sha256
+
+
+def test_flipped_byte_in_directory_is_detected(store_target, tmp_path):
+    store = ArtifactStore(store_target.root_uri)
+    key = store.checkpoint_key(RUN, 1)
+    ref = store.put_dir(key, make_source_dir(tmp_path / "src", {"a.bin": 5000, "sub/b.bin": 5000}))
+    store_target.flip_byte(f"{key}/sub/b.bin", 1234)
+
+    with pytest.raises(IntegrityError) as info:
+        store.get_dir(ref, tmp_path / "out")
+    assert info.value.uri == f"{ref.uri}/sub/b.bin"
+    assert not (tmp_path / "out").exists()  # no partial or unverified copy is left behind
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_flipped_byte_in_manifest_is_detected(store_target, tmp_path):
+    store = ArtifactStore(store_target.root_uri)
+    key = store.checkpoint_key(RUN, 1)
+    ref = store.put_dir(key, make_source_dir(tmp_path / "src", {"a.bin": 10}))
+    store_target.flip_byte(f"{key}/MANIFEST.json", 20)
+    with pytest.raises(IntegrityError, match="manifest"):
+        store.get_dir(ref, tmp_path / "out")
+
+
+# -- safety of names and refs ------------------------------------------------------------------
+
+
+BAD_NAMES = [
+    "../escape", "..", ".", "/abs", "/etc/passwd", "s3://other-bucket/x", "file:///etc",
+    "a/b", "", "a b", "bad\x00", ".hidden", "-rf", "x\\y", "a:b",
+]
+
+
+@pytest.mark.parametrize("run_id", BAD_NAMES)
+def test_unsafe_run_ids_are_refused(store_target, run_id):
+    store = ArtifactStore(store_target.root_uri)
+    with pytest.raises(ValueError):
+        store.rollout_key(run_id, 0, "actor", 0)
+    with pytest.raises(ValueError):
+        store.checkpoint_key(run_id, 0)
+    with pytest.raises(ValueError):
+        store.latest_checkpoint(run_id)
+    with pytest.raises(ValueError):
+        store.prune(run_id, keep_last=1)
+
+
+@pytest.mark.parametrize("key", ["../x", "a/../b", "/a", "a//b", "a/", "s3://b/k", "a/./b"])
+def test_unsafe_keys_are_refused(tmp_path, key):
+    store = ArtifactStore(f"file://{tmp_path}")
+    with pytest.raises(ValueError):
+        store.put_json(key, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_indices_are_refused():
+    for bad in (-1, True, 1.0, "1"):
+        with pytest.raises(ValueError):
+            ArtifactStore.rollout_key(RUN, bad, "actor", 0)
+        with pytest.raises(ValueError):
+            ArtifactStore.checkpoint_key(RUN, bad)
+
+
+def test_refs_outside_the_root_are_refused(store_target, tmp_path):
+    store = ArtifactStore(store_target.root_uri)
+    ref = store.put_json(f"{RUN}/x.json", [1])
+    other = ArtifactStore(f"file://{tmp_path}/other")
+    escapes = [
+        ArtifactRef(f"{store.root_uri}/../x.json", ref.sha256, 1, "json"),
+        ArtifactRef(f"{store.root_uri}x/{RUN}/x.json", ref.sha256, 1, "json"),
+        ArtifactRef("file:///etc/passwd", ref.sha256, 1, "json"),
+    ]
+    for bad in escapes:
+        with pytest.raises(ValueError):
+            store.get_json(bad)
+    with pytest.raises(ValueError, match="not under"):
+        other.get_json(ref)
+    with pytest.raises(ValueError, match="not 'tensors'"):
+        store.get_tensors(ref)
+
+
+@pytest.mark.parametrize("root", ["http://x.org/a", "gs://bucket", "s3://key:secret@bucket/x"])
+def test_unsupported_or_credentialed_roots_are_refused(root):
+    with pytest.raises(ValueError) as info:
+        ArtifactStore(root)
+    assert "secret" not in str(info.value)
+
+
+def test_store_pickles_without_state(store_target):
+    store = ArtifactStore(store_target.root_uri, RetryPolicy(max_attempts=3))
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.root_uri == store.root_uri and clone.retry == store.retry
+
+
+# -- retention -----------------------------------------------------------------------------------
+
+
+def test_prune_keeps_last_rollouts_and_all_checkpoints(store_target, tmp_path):
+    store = ArtifactStore(store_target.root_uri)
+    tensors = {"x": torch.ones(2)}
+    for rollout in range(6):
+        for rank in range(2):
+            store.put_tensors(store.rollout_key(RUN, rollout, "actor", rank), tensors)
+    checkpoints = {}
+    for step in (2, 4):
+        source = make_source_dir(tmp_path / f"c{step}", {"w": 8})
+        checkpoints[step] = store.put_dir(store.checkpoint_key(RUN, step), source)
+
+    assert store.prune(RUN, keep_last=2) == [0, 1, 2, 3]
+    assert store.list_rollouts(RUN) == [4, 5]
+    assert store.get_tensors(store.put_tensors(store.rollout_key(RUN, 5, "actor", 0), tensors))
+    assert store.list_checkpoints(RUN) == [2, 4]
+    for step, ref in checkpoints.items():
+        assert store.checkpoint_ref(RUN, step) == ref
+        store.get_dir(ref, tmp_path / f"out{step}")
+    assert store.prune(RUN, keep_last=2) == []
+    assert store.prune(RUN, keep_last=0) == [4, 5] and store.list_rollouts(RUN) == []
+    assert store.list_checkpoints(RUN) == [2, 4]
+    with pytest.raises(ValueError):
+        store.prune(RUN, keep_last=-1)
+
+
+# -- S3 faults -----------------------------------------------------------------------------------
+
+
+def test_put_is_retried_while_s3_restarts(s3_target, moto_server, caplog):
+    store = ArtifactStore(s3_target.root_uri)  # the default RetryPolicy must ride this out
+    before = store.put_json(f"{RUN}/before.json", 1)
+    tensors = sample_tensors()
+
+    moto_server.stop()
+    restarter = moto_server.start_after(2.0)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="infra"):
+        ref = store.put_tensors(store.rollout_key(RUN, 0, "actor", 0), tensors)
+    elapsed = time.monotonic() - started
+    restarter.join(timeout=30)
+
+    assert elapsed > 1.5, "the put cannot have succeeded while the server was down"
+    assert "retrying" in caplog.text
+    assert_bitwise_equal(tensors, store.get_tensors(ref))
+    # moto's state lives in-process: the bucket and earlier objects survived the restart.
+    assert store.get_json(before) == 1
+
+
+def test_unreachable_endpoint_gives_up_after_bounded_retries(s3_target, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: refused
+    store = ArtifactStore(s3_target.root_uri, RetryPolicy(max_attempts=3, initial_delay_s=0.05))
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailableError) as info:
+        store.put_json(f"{RUN}/x.json", 1)
+    assert time.monotonic() - started < 5
+    assert "3 attempts" in str(info.value) and "AWS_ENDPOINT_URL" in str(info.value)
+
+
+def test_service_specific_endpoint_variable_is_honoured(s3_target, moto_server, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_server.endpoint)  # botocore: S3-specific wins
+    store = ArtifactStore(s3_target.root_uri, RetryPolicy(max_attempts=1))
+    assert store.get_json(store.put_json(f"{RUN}/x.json", {"a": 1})) == {"a": 1}
+
+
+def test_wrong_credentials_fail_at_once_without_leaking_the_secret(
+    s3_target, moto_server, monkeypatch, caplog
+):
+    secret = f"wr0ng-secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY00000000")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    moto_server.require_credentials(True)
+    caplog.set_level(logging.DEBUG)
+    store = ArtifactStore(s3_target.root_uri)
+
+    started = time.monotonic()
+    with pytest.raises(StoreAccessError) as put_error:
+        store.put_tensors(store.rollout_key(RUN, 0, "actor", 0), {"x": torch.ones(1)})
+    with pytest.raises(StoreAccessError) as list_error:
+        store.latest_checkpoint(RUN)
+    assert time.monotonic() - started < 2, "refused credentials must not be retried"
+
+    for error in (put_error.value, list_error.value):
+        message = str(error)
+        assert "AWS_ACCESS_KEY_ID" in message and "AWS_SECRET_ACCESS_KEY" in message
+        assert "AWS_PROFILE" in message
+        assert secret not in "".join(traceback.format_exception(error))
+    assert caplog.records, "DEBUG logging was on, so botocore/s3fs must have logged something"
+    assert secret not in caplog.text
+    assert secret not in repr(store) and secret not in str(pickle.dumps(store))
+
+
+def test_missing_bucket_fails_at_once(s3_env):
+    store = ArtifactStore("s3://no-such-bucket/artifacts")
+    started = time.monotonic()
+    with pytest.raises(StoreNotFoundError) as info:
+        store.put_json(f"{RUN}/x.json", 1)
+    with pytest.raises(StoreNotFoundError):
+        store.latest_checkpoint(RUN)  # a missing bucket is not "no checkpoint yet"
+    assert time.monotonic() - started < 2
+    assert "no-such-bucket" in str(info.value) and "AWS_ENDPOINT_URL" in str(info.value)
+
+
+def _client_error(code: str, status: int) -> botocore.exceptions.ClientError:
+    response = {
+        "Error": {"Code": code, "Message": "m"},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    return botocore.exceptions.ClientError(response, "PutObject")
+
+
+@pytest.mark.parametrize(
+    "error, fault",
+    [
+        (_client_error("SlowDown", 503), Fault.TRANSIENT),
+        (_client_error("InternalError", 500), Fault.TRANSIENT),
+        (_client_error("Throttling", 400), Fault.TRANSIENT),
+        (_client_error("Whatever", 502), Fault.TRANSIENT),
+        (_client_error("InvalidAccessKeyId", 403), Fault.CREDENTIALS),
+        (_client_error("SignatureDoesNotMatch", 403), Fault.CREDENTIALS),
+        (_client_error("AccessDenied", 403), Fault.CREDENTIALS),
+        (_client_error("403", 403), Fault.CREDENTIALS),
+        (_client_error("NoSuchBucket", 404), Fault.MISSING_BUCKET),
+        (_client_error("NoSuchKey", 404), Fault.OTHER),
+        (ConnectionRefusedError(111, "refused"), Fault.TRANSIENT),
+        (botocore.exceptions.EndpointConnectionError(endpoint_url="http://x"), Fault.TRANSIENT),
+        (botocore.exceptions.NoCredentialsError(), Fault.CREDENTIALS),
+        (ValueError("bug"), Fault.OTHER),
+    ],
+)
+def test_faults_are_classified(error, fault):
+    assert classify(error) is fault
+    wrapped = OSError("translated by s3fs")
+    wrapped.__cause__ = error
+    assert classify(wrapped) is fault
+
+
+def test_retries_are_bounded_and_only_for_transient_faults():
+    calls = []
+
+    def flaky(fail_times: int, error: Exception):
+        def call():
+            calls.append(1)
+            if len(calls) <= fail_times:
+                raise error
+            return "done"
+        return call
+
+    policy = RetryPolicy(max_attempts=4, initial_delay_s=0.001)
+    assert call_with_retries(flaky(3, _client_error("SlowDown", 503)), policy, "op") == "done"
+    assert len(calls) == 4
+    calls.clear()
+    with pytest.raises(botocore.exceptions.ClientError):
+        call_with_retries(flaky(10, _client_error("SlowDown", 503)), policy, "op")
+    assert len(calls) == 4
+    calls.clear()
+    with pytest.raises(botocore.exceptions.ClientError):
+        call_with_retries(flaky(10, _client_error("AccessDenied", 403)), policy, "op")
+    assert len(calls) == 1
+    delays = list(RetryPolicy(max_attempts=6, initial_delay_s=1, max_delay_s=4, jitter=0).delays())
+    assert delays == [1, 2, 4, 4, 4]
