@@ -16,7 +16,8 @@ from dmd2.config import DistillConfig
 from dmd2.convert import samples_to_train_pairs
 from dmd2.model import DiffusersVelocity, VelocityFn
 from dmd2.optim import make_optimizer
-from dmd2.stages import RolloutPlan, TrainState, rollout_shard, score, train_actor, train_critic
+from dmd2.stages import (ACTOR_HOOKS, CRITIC_HOOKS, HookContext, RolloutPlan, TrainState, rollout_shard, score,
+                         train_steps)
 
 
 def train_state(model: nn.Module, lr: float, config: DistillConfig) -> TrainState:
@@ -53,11 +54,14 @@ def run_rollout(
     teacher: VelocityFn, conds: CondSource,
 ) -> dict[str, float]:
     """One DMD2 rollout on a single rank (world size 1); returns actor and critic metrics."""
+    ctx = HookContext(plan, config.dmd2, rank=0)
     samples = rollout_shard(student.velocity, conds, plan, rank=0)
     pairs = samples_to_train_pairs(samples, plan.num_steps)
-    critic_metrics, kept = train_critic(critic, pairs, plan, config.dmd2)
-    scores = score(teacher, kept, pairs, plan, config.dmd2)
-    return train_actor(student, pairs, scores, plan) | summarize_critic(critic_metrics)
+    critic_metrics, kept = train_steps(critic, CRITIC_HOOKS, ctx, pairs, plan.critic_steps)
+    scores = score(teacher, kept, pairs, ctx)
+    actor_ctx = HookContext(plan, config.dmd2, rank=0, external_data={"critic": scores})
+    actor_metrics, _ = train_steps(student, ACTOR_HOOKS, actor_ctx, pairs, num_steps=1)
+    return actor_metrics[0] | summarize_critic(critic_metrics)
 
 
 @dataclass

@@ -28,7 +28,8 @@ class DiffusersVelocity:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self._input_name = next(iter(inspect.signature(model.forward).parameters))
+        wrapped = getattr(model, "module", model)  # DDP and FSDP wrappers forward **kwargs unchanged
+        self._input_name = next(iter(inspect.signature(wrapped.forward).parameters))
 
     def __call__(self, x_s: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         t = timestep(sigma).to(x_s.dtype)
