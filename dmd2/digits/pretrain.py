@@ -99,3 +99,18 @@ def cached_teacher(
         if not (target / "config.json").is_file():  # not a concurrent writer that won the race
             raise
     return target
+
+
+BUILTIN_DIGITS = "builtin:digits"
+
+
+def resolve_model(spec: str, cache_dir: Path, progress: Callable[[str, int, int], None] | None = None) -> str:
+    """A model spec as `from_pretrained` takes it: `builtin:digits` becomes the cached teacher directory
+    (pretrained now if missing); anything else (a directory or a hub id) is returned unchanged."""
+    if spec != BUILTIN_DIGITS:
+        return spec
+    from dmd2.digits.data import load_digits_splits
+
+    config = PretrainConfig()
+    report = (lambda step, loss: progress("pretrain teacher", step + 1, config.steps)) if progress else None
+    return str(cached_teacher(cache_dir, load_digits_splits(), config, report))

@@ -1,0 +1,43 @@
+"""Generating samples: the teacher's Euler ODE sampler and the student's few-step sampler."""
+
+import torch
+from torch import Tensor
+
+from dmd2.model import Cond, VelocityFn, guided
+from dmd2.rollout import backward_simulate, euler_sample
+from dmd2.schedule import student_sigmas, teacher_sigmas
+
+SAMPLERS = ("student", "teacher")
+
+
+@torch.no_grad()
+def generate(
+    model: VelocityFn,
+    cond: Cond,
+    neg_cond: Cond,
+    sample_shape: tuple[int, ...],
+    *,
+    sampler: str,
+    num_steps: int,
+    guidance_scale: float = 1.0,
+    shift: float = 1.0,
+    seed: int = 0,
+) -> Tensor:
+    """Samples [B, *sample_shape] clamped to [-1, 1], one per conditioning row.
+
+    `teacher`: deterministic Euler over N steps; `student`: the student's sampler (predict x0, re-noise
+    to the next grid sigma with fresh noise), i.e. a rollout run to the end. Guidance is CFG over
+    `neg_cond`. The same seed gives the same initial noise for both samplers.
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+    batch = next(iter(cond.values())).shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn((batch, *sample_shape), generator=generator)
+    model = guided(model, guidance_scale, neg_cond)
+    if sampler == "teacher":
+        return euler_sample(model, noise, teacher_sigmas(num_steps, shift), cond).clamp(-1, 1)
+    renoise = torch.randn((max(num_steps - 1, 0), batch, *sample_shape), generator=generator)
+    stop = torch.full((batch,), num_steps)
+    _, x0, _ = backward_simulate(model, noise, student_sigmas(num_steps, shift), stop, cond, renoise)
+    return x0.clamp(-1, 1)
