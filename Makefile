@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml requirements.lock
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m flows.cli run
+	$(PY) -m flows.cli table
 
 test: $(STAMP)
 	$(PY) -m pytest -q
