@@ -39,6 +39,19 @@ def flatten_params(nested: Mapping[str, Any], prefix: str = "") -> dict[str, str
     return flat
 
 
+IMAGE_PREFIX = "image:"
+
+
+def _logged_images(client: MlflowClient, mlflow_run_id: str) -> set[tuple[str, int]]:
+    """(image:key, step) of the images a run holds; MLflow names them `images/<key>+step+<n>+...`."""
+    found = set()
+    for artifact in client.list_artifacts(mlflow_run_id, "images"):
+        parts = Path(artifact.path).name.split("+")
+        if len(parts) > 2 and parts[1] == "step" and parts[2].isdigit():
+            found.add((IMAGE_PREFIX + parts[0], int(parts[2])))
+    return found
+
+
 class RunTracker:
     """The MLflow run of one distill run."""
 
@@ -58,6 +71,7 @@ class RunTracker:
             mlflow_run_id = runs[0].info.run_id
             client.update_run(mlflow_run_id, status="RUNNING")
             logged = {(key, m.step) for key in runs[0].data.metrics for m in client.get_metric_history(mlflow_run_id, key)}
+            logged |= _logged_images(client, mlflow_run_id)
             log.info("resuming MLflow run %s (%d metric points already logged)", mlflow_run_id, len(logged))
         else:
             mlflow_run_id = client.create_run(experiment_id, tags={RUN_ID_TAG: run_id}, run_name=run_id).info.run_id
@@ -88,9 +102,10 @@ class RunTracker:
 
     def log_image(self, key: str, image: np.ndarray, step: int) -> None:
         """An image (H x W or H x W x C, uint8 or float in [0, 1]) in the run's image gallery at `step`."""
-        if (key, step) in self._logged:  # images are keyed like metrics so a resume does not duplicate them
+        if (IMAGE_PREFIX + key, step) in self._logged:  # a resume replays steps: keep one image per step
             return
         self.client.log_image(self.mlflow_run_id, image, key=key, step=step)
+        self._logged.add((IMAGE_PREFIX + key, step))
 
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None:
         self.client.log_artifacts(self.mlflow_run_id, str(local_dir), artifact_path)
