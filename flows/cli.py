@@ -1,5 +1,9 @@
 """The `dmd2` command line. Every command has --help; long work shows progress.
 
+    dmd2 run                            the built-in default end to end (what `make run` runs)
+    dmd2 distill --recipe R             distill as Prefect flows on Ray, tracked in MLflow; resumable
+    dmd2 evaluate --student DIR         score a student directory on the digits yardstick
+    dmd2 serve --name N [--cron C]      serve the distill flow as a deployment (prefect deployment run)
     dmd2 pretrain                       pretrain (and cache) the built-in digits teacher
     dmd2 sample --model M --steps N     write generated samples to an .npz any evaluator can score
     dmd2 table                          the in-process digits quality table (DMD2 core benchmark)
@@ -12,13 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-DEFAULT_CACHE = Path(os.environ.get("DMD2_CACHE", Path.home() / ".cache" / "dmd2"))
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-
-
-def _cache_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE,
-                        help=f"where the built-in teacher and evaluator are cached (default {DEFAULT_CACHE}; env DMD2_CACHE)")
+from flows.cli_common import RECIPES, cache_arg as _cache_arg
+from flows.commands import add_distill_args, cmd_distill, cmd_evaluate, cmd_run, cmd_serve
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -90,6 +89,37 @@ def cmd_table(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dmd2", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="the built-in default end to end (make run)",
+                              description="Pretrain the digits teacher if not cached, distill it with the distill "
+                                          "flow (Prefect, local Ray, local store, MLflow on sqlite), print the eval "
+                                          "table, and say where the sample grid and the MLflow run are.")
+    add_distill_args(run, RECIPES / "digits-4step.toml")
+    run.set_defaults(run=cmd_run)
+
+    distill = commands.add_parser("distill", help="distill a recipe with the distill flow",
+                                  description="Run the distill flow: one Prefect flow run per rollout on Ray trainer "
+                                              "groups, refs in the artifact store, metrics in MLflow. Rerunning "
+                                              "with the same --run-id resumes from the last checkpoint.")
+    add_distill_args(distill, RECIPES / "digits-4step.toml")
+    distill.set_defaults(run=cmd_distill)
+
+    evaluate = commands.add_parser("evaluate", help="score a student directory on the digits yardstick",
+                                   description="FD against the held-out digits, FD against the teacher's 32-step "
+                                               "guided samples, and class accuracy of a student directory.")
+    evaluate.add_argument("--student", type=Path, required=True, help="a run's student directory (save_pretrained)")
+    evaluate.add_argument("--recipe", type=Path, default=RECIPES / "digits-4step.toml", help="the run's recipe")
+    _cache_arg(evaluate)
+    evaluate.set_defaults(run=cmd_evaluate)
+
+    serve = commands.add_parser("serve", help="serve the distill flow as a Prefect deployment",
+                                description="Serve the distill flow as deployment 'distill/NAME' (optionally on a "
+                                            "cron schedule); start runs with `prefect deployment run 'distill/NAME'`.")
+    serve.add_argument("--name", required=True, help="deployment name")
+    serve.add_argument("--cron", help="cron schedule for retraining, e.g. '0 3 * * *'")
+    serve.add_argument("--recipe", type=Path, default=RECIPES / "digits-4step.toml", help="the recipe to run")
+    serve.add_argument("--run-id", help="run id each scheduled run continues (default: the recipe's name)")
+    serve.set_defaults(run=cmd_serve)
 
     pretrain = commands.add_parser("pretrain", help="pretrain and cache the built-in digits teacher",
                                    description="Pretrain the built-in digits teacher (class-conditional flow matching "

@@ -64,3 +64,15 @@ class Yardstick:
         images = generate(model, cond, neg_cond, IMAGE_SHAPE, sampler=sampler, num_steps=num_steps,
                           guidance_scale=guidance_scale, shift=shift, seed=self.seed)
         return self.score(images)
+
+
+def sample_grid(images: Tensor, columns: int = 10, scale: int = 4) -> np.ndarray:
+    """Images [N, 1, H, W] in [-1, 1] as one uint8 picture (rows of `columns`, each pixel `scale` x `scale`)."""
+    n, _, height, width = images.shape
+    rows = -(-n // columns)
+    canvas = torch.full((rows * (height + 1) + 1, columns * (width + 1) + 1), -1.0)
+    for i, image in enumerate(images[:, 0]):
+        top, left = 1 + (i // columns) * (height + 1), 1 + (i % columns) * (width + 1)
+        canvas[top:top + height, left:left + width] = image
+    pixels = ((canvas.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return pixels.repeat_interleave(scale, 0).repeat_interleave(scale, 1).numpy()
