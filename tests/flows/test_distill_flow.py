@@ -1,0 +1,87 @@
+"""The digits distillation as flows, end to end: Prefect (in-process server), local Ray, the store on
+moto's S3 server, MLflow on sqlite; checked through the real APIs."""
+
+import asyncio
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+from dmd2.config import load_recipe
+from dmd2.digits.yardstick import DIGIT_CONDS
+from dmd2.loop import InProcessDistiller
+from flows.distill import distill
+from infra.models import load_model
+from infra.store import ArtifactStore
+from tests.flows.conftest import write_recipe
+
+ROLLOUTS = 3
+TASKS = ["rollout", "convert", "critic-train", "score", "sleep", "actor-train", "sleep"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(prefect_server, s3_store, tiny_teacher_dir, fresh_ray, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("run")
+    recipe = write_recipe(tmp / "tiny.toml", tiny_teacher_dir, ROLLOUTS, eval_interval=2)
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    result = distill(recipe=str(recipe), run_id="tiny", store_uri=s3_store, tracking_uri=uri,
+                     cache_dir=str(tmp / "cache"), output_dir=str(tmp / "out"))
+    return result, recipe, uri
+
+
+async def _flow_runs():
+    async with get_client() as client:
+        [parent] = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": ["distill-tiny"]}))
+        children = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id])))
+        tasks = {run.name: await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
+                 for run in children}
+        return parent, children, tasks
+
+
+def test_each_rollout_is_a_flow_run_with_its_tasks_under_the_distill_run(finished_run):
+    parent, children, tasks = asyncio.run(_flow_runs())
+    assert parent.state.is_completed()
+    assert sorted(run.name for run in children) == [f"rollout-{i}" for i in range(ROLLOUTS)]
+    for name, runs in tasks.items():
+        ordered = sorted(runs, key=lambda run: run.expected_start_time)
+        assert [run.name.rsplit("-", 1)[0] for run in ordered] == TASKS, name
+        assert all(run.state.is_completed() for run in runs)
+
+
+def test_mlflow_has_every_metric_once_per_step_images_and_the_student(finished_run):
+    result, _, uri = finished_run
+    client = MlflowClient(uri)
+    run = client.get_run(result["mlflow_run_id"])
+    for key in ["train/loss", "train/grad_norm", "train/lr", "train/critic-loss", "train/critic-grad_norm",
+                "train/critic-lr", "train/dmd_grad_abs", "train/dmd_normaliser", "train/x0_recompute_max_diff",
+                "time/rollout", "time/critic-train", "time/actor-train"]:
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert sorted(steps) == list(range(ROLLOUTS)), key
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/fd_teacher")) == [1, 2]
+    assert run.data.params["dmd2.critic_steps_per_rollout"] == "2"
+    assert run.data.tags["dmd2.store"].startswith("s3://") and "prefect.flow_run_id" in run.data.tags
+    images = [a.path for a in client.list_artifacts(run.info.run_id, "images") if a.path.endswith(".png")]
+    assert len(images) == 2
+    assert any(a.path == "student/config.json" for a in client.list_artifacts(run.info.run_id, "student"))
+
+
+def test_refs_are_in_the_store_and_the_student_loads_with_from_pretrained(finished_run, s3_store):
+    result, _, _ = finished_run
+    store = ArtifactStore(s3_store)
+    assert store.list_rollouts("tiny") == list(range(ROLLOUTS))
+    assert store.list_checkpoints("tiny") == list(range(1, ROLLOUTS + 1))
+    student = load_model(result["student_dir"])
+    assert student.config.num_class_embeds == 11
+
+
+def test_the_flows_train_the_same_student_as_the_in_process_loop(finished_run, tiny_teacher_dir):
+    result, recipe, _ = finished_run
+    config = load_recipe(recipe)
+    distiller = InProcessDistiller.from_models(config, load_model(str(tiny_teacher_dir)), DIGIT_CONDS, (1, 8, 8))
+    distiller.run(range(ROLLOUTS))
+    flow_student = load_model(result["student_dir"]).state_dict()
+    for name, expected in distiller.student.model.state_dict().items():
+        assert torch.allclose(flow_student[name], expected, atol=1e-5, rtol=0), name

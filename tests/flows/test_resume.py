@@ -1,0 +1,70 @@
+"""Resume: a distill run killed mid-way (SIGKILL) and rerun with the same run id ends with the same
+weights as an uninterrupted run, in the same MLflow run, with no metric step logged twice."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from mlflow import MlflowClient
+from prefect.settings import PREFECT_API_URL
+
+from flows.distill import distill
+from infra.models import load_model
+from infra.store import ArtifactStore
+from tests.flows.conftest import write_recipe
+
+ROLLOUTS = 6
+
+
+def _kill_after_checkpoint(command, env, log, store: ArtifactStore, run_id: str, step: int, timeout: float = 300):
+    """Start the CLI, wait for checkpoint `step`, SIGKILL it (and its local Ray) mid-run."""
+    # output goes to a file: a pipe nobody reads would fill up and stall the run
+    process = subprocess.Popen(command, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            latest = store.latest_checkpoint(run_id)
+            if latest is not None and latest.step >= step:
+                return latest.step
+            if process.poll() is not None:
+                raise AssertionError(f"the run ended before it could be killed: {log.name}")
+            time.sleep(0.2)
+        raise AssertionError("no checkpoint appeared in time")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_result(prefect_server, s3_store, tiny_teacher_dir, fresh_ray,
+                                                          tmp_path):
+    recipe = write_recipe(tmp_path / "tiny.toml", tiny_teacher_dir, ROLLOUTS)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = dict(recipe=str(recipe), store_uri=s3_store, tracking_uri=uri, cache_dir=str(tmp_path / "cache"),
+                  output_dir=str(tmp_path / "out"))
+    store = ArtifactStore(s3_store)
+
+    command = [sys.executable, "-m", "flows.cli", "distill", "--recipe", str(recipe), "--run-id", "killed",
+               "--store", s3_store, "--tracking-uri", uri, "--cache-dir", str(tmp_path / "cache"),
+               "--output-dir", str(tmp_path / "out")]
+    env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value()}
+    with open(tmp_path / "killed.log", "w") as log:
+        killed_at = _kill_after_checkpoint(command, env, log, store, "killed", step=2)
+    assert killed_at < ROLLOUTS and not (tmp_path / "out" / "killed" / "student").exists()
+
+    resumed = distill(run_id="killed", **common)
+    uninterrupted = distill(run_id="whole", **common)
+
+    expected = load_model(uninterrupted["student_dir"]).state_dict()
+    for name, tensor in load_model(resumed["student_dir"]).state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("dmd2").experiment_id],
+                              filter_string="tags.`dmd2.run_id` = 'killed'")
+    assert [r.info.run_id for r in runs] == [resumed["mlflow_run_id"]]
+    for key in ["train/loss", "train/critic-loss", "time/rollout"]:
+        steps = [m.step for m in client.get_metric_history(resumed["mlflow_run_id"], key)]
+        assert sorted(steps) == list(range(ROLLOUTS)), key
