@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install --quiet -c requirements.lock -e '.[test]'
 	touch $(STAMP)
 
+# Prefect logs every task run at INFO; the run prints its own progress, so keep Prefect to warnings.
 run: $(STAMP)
-	$(PY) -m flows.cli table
+	PREFECT_LOGGING_LEVEL=$${PREFECT_LOGGING_LEVEL:-WARNING} $(PY) -m flows.cli run
 
 test: $(STAMP)
 	$(PY) -m pytest -q
