@@ -35,7 +35,8 @@ def own_storage(module: nn.Module) -> nn.Module:
     wrapping the module (DDP) or building its optimizer: it swaps `.data` on the same device.
     """
     for tensor in [*module.parameters(), *module.buffers()]:
-        tensor.data = tensor.data.clone()
+        if not tensor.untyped_storage().resizable():
+            tensor.data = tensor.data.clone()
     return module
 
 
@@ -66,7 +67,8 @@ class HostCopy:
             if not storage.resizable():
                 self.restore()
                 raise RuntimeError(f"a {tuple(tensor.shape)} {tensor.dtype} tensor has a fixed-size storage (a file "
-                                   "mapping?) and cannot be offloaded: load weights with own_storage()")
+                                   "mapping, or exported with .numpy()) and cannot be offloaded: load weights with "
+                                   "own_storage() and export copies only")
             seen.add(storage.data_ptr())
             source = _bytes_of(storage)
             pinned = source.is_cuda and torch.cuda.is_available()

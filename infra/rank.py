@@ -198,10 +198,6 @@ class RankWorker:
         """Weights and optimizer state leave the accelerator (the teacher already has); idempotent."""
         if self._sleeping.parked:
             return {"offloaded_bytes": 0}
-        named = [(f"param {n}", t) for n, t in self.module.named_parameters()]
-        named += [(f"opt {i} {k}", v) for i, st in self.state.optimizer.state.items() for k, v in st.items()]
-        bad = [n for n, t in named if not t.untyped_storage().resizable()]
-        if bad: raise RuntimeError(f"DEBUG {self.trainer.role} {self.rank} {bad}")
         moved = self._sleeping.offload(module_tensors(self.module) + optimizer_tensors(self.state.optimizer))
         return {"offloaded_bytes": moved}
 
@@ -263,8 +259,13 @@ class RankWorker:
         """sha256 of this rank's weights and optimizer state (bitwise comparisons in tests and checks)."""
         self.wake()
         digest = hashlib.sha256()
-        for tensor in [*self.module.state_dict().values(), *optimizer_tensors(self.state.optimizer)]:
-            digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        optimizer = self.state.optimizer
+        # Canonical order: parameters as the optimizer lists them, each one's state by name.
+        states = [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]]
+        optimizer_state = [state[name] for state in states for name in sorted(state)]
+        for tensor in [*self.module.state_dict().values(), *optimizer_state]:
+            # A copy: exporting a tensor to numpy pins its storage's size for good, and sleep resizes it.
+            digest.update(tensor.detach().cpu().clone().reshape(-1).view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
 
     def _from_rank0(self, value: Any) -> Any:

@@ -59,7 +59,7 @@ def _optimizer_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> dict[s
         state.setdefault(int(index), {})[name] = value
     groups = [{**group, "betas": tuple(group["betas"])} if "betas" in group else group
               for group in meta["param_groups"]]  # JSON made the tuple a list
-    return {"state": state, "param_groups": groups}
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
 def write_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,

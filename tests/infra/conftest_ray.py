@@ -40,7 +40,7 @@ def tiny_config(teacher: str, world_size: int, **train) -> DistillConfig:
     return config_from_dict({
         "model": {"teacher": teacher},
         "student": {"num_steps": 2},
-        "optim": {"lr": 1e-3, "critic_lr": 2e-3, "warmup_steps": 2},
+        "optim": {"lr": 1e-4, "critic_lr": 2e-4, "warmup_steps": 2},
         "dmd2": {"critic_steps_per_rollout": 2, "teacher_guidance_scale": 2.0},
         "train": {"rollout_batch_size": 8, "world_size": world_size, "rollouts": 2, **train},
     })
