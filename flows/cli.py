@@ -156,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API request otherwise
     args = build_parser().parse_args(argv)
     if getattr(args, "recipe", "unset") is None:
         args.recipe = [RECIPES / "digits-4step.toml", RECIPES / "digits-1step.toml"]

@@ -84,23 +84,26 @@ def distill(
     output_dir: str = "runs",
 ) -> dict:
     """Distill the recipe's teacher into its student: `rollouts` rollout flows (default: the recipe's)."""
+    cache = Path(cache_dir) if cache_dir else DEFAULT_CACHE
     config = load_recipe(recipe, overrides={"train": {"rollouts": rollouts}} if rollouts else None)
-    config = resolve_models(config, Path(cache_dir) if cache_dir else DEFAULT_CACHE)
+    config = resolve_models(config, cache)
     store = ArtifactStore(store_uri or default_store_uri())
     store.checkpoint_key(run_id, 0)  # validates the run id before anything starts
     if ray_address:
         os.environ["RAY_ADDRESS"] = ray_address
     ensure_ray()
     tracker = RunTracker.start_or_resume(run_id, uri=tracking_uri)
-    tracker.log_params(config_to_dict(config))
-    tracker.set_tags({"prefect.flow_run_id": str(flow_run.id), "dmd2.store": store.root_uri, "dmd2.recipe": recipe})
+    params = config_to_dict(config)
+    target = params["train"].pop("rollouts")  # a later run may extend the same run: a tag, not a param
+    tracker.log_params(params)
+    tracker.set_tags({"prefect.flow_run_id": str(flow_run.id), "dmd2.store": store.root_uri, "dmd2.recipe": recipe,
+                      "dmd2.rollouts": str(target)})
     threads = max(1, (os.cpu_count() or 1) // config.train.world_size)
     groups = build_groups(class_conditional_task(config, config.model.teacher), store, num_threads=threads)
     runtime.register(run_id, groups)
     status = "FAILED"
     try:
-        result = _train(config, run_id, store, groups, tracker, Path(cache_dir) if cache_dir else DEFAULT_CACHE,
-                        Path(output_dir))
+        result = _train(config, run_id, store, groups, tracker, cache, Path(output_dir))
         status = "FINISHED"
         return result.__dict__
     finally:
@@ -115,6 +118,9 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
     evaluator = StudentEvaluator.build(config, config.model.teacher, cache_dir)
     progress, scores, grid = ProgressBar(), {}, None
     start = resume(groups, store, run_id)
+    if start > total:
+        raise ValueError(f"run {run_id} already has {start} rollouts; pass rollouts >= {start} to continue it, "
+                         "or use a new run id")
     for rollout_id in range(start, total):
         tracker.log_metrics(rollout_id, train_metric_names(rollout_flow(run_id, rollout_id)))
         done = rollout_id + 1

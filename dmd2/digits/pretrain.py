@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class PretrainConfig:
     """Teacher pretraining on the digits train split."""
 
-    steps: int = 2000
+    steps: int = 1500
     batch_size: int = 128
     lr: float = 2e-3
     warmup_steps: int = 100

@@ -38,8 +38,15 @@ def _steps(n: int) -> str:
     return f"{n} step" if n == 1 else f"{n} steps"
 
 
-def _distill(config: DistillConfig, teacher: torch.nn.Module, progress: Progress | None, name: str) -> torch.nn.Module:
-    distiller = InProcessDistiller.from_models(config, teacher, DIGIT_CONDS, IMAGE_SHAPE)
+def _distill(config: DistillConfig, teacher: torch.nn.Module, cache_dir: Path, progress: Progress | None,
+             name: str) -> torch.nn.Module:
+    """The recipe's student (default: a copy of the teacher) and critic, distilled in process."""
+
+    def load(spec: str | None) -> torch.nn.Module | None:
+        return AutoModel.from_pretrained(resolve_model(spec, cache_dir)) if spec else None
+
+    distiller = InProcessDistiller.from_models(config, teacher, DIGIT_CONDS, IMAGE_SHAPE,
+                                               student=load(config.model.student), critic=load(config.model.critic_load))
     total = config.train.rollouts
     distiller.run(range(total), lambda r, m: progress and progress(name, r + 1, total))
     return distiller.student.model.eval()
@@ -70,7 +77,7 @@ def quality_table(recipes: dict[str, DistillConfig], cache_dir: Path, progress: 
         rows.append(Row(f"untrained student, {_steps(steps)}", **scores))
     for name, config in recipes.items():
         started = time.monotonic()
-        student = _distill(config, copy.deepcopy(teacher), progress, name)
+        student = _distill(config, copy.deepcopy(teacher), cache_dir, progress, name)
         scores = yardstick.score_model(DiffusersVelocity(student), sampler="student",
                                        num_steps=config.student.num_steps, shift=config.student.shift)
         log.info("%s distilled in %.0f s", name, time.monotonic() - started)

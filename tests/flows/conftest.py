@@ -7,11 +7,10 @@ from pathlib import Path
 import boto3
 import pytest
 import ray
-import torch
 from prefect.testing.utilities import prefect_test_harness
 
-from dmd2.digits.model import build_digits_unet
-from tests.infra.conftest import BUCKET, REGION, MotoServer
+from tests.infra.conftest import BUCKET, REGION, MotoServer, aws_test_settings
+from tests.infra.conftest_ray import tiny_teacher  # noqa: F401  (a fixture)
 
 TINY_RECIPE = """
 [model]
@@ -46,25 +45,17 @@ def prefect_server():
 def s3_store(tmp_path_factory):
     """An S3 bucket on moto's server, with the AWS settings in this process's environment."""
     server = MotoServer()
-    cfg = tmp_path_factory.mktemp("aws")
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("AWS_CONFIG_FILE", str(cfg / "config"))
-        env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(cfg / "credentials"))
-        env.setenv("AWS_ACCESS_KEY_ID", "testing")
-        env.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-        env.setenv("AWS_DEFAULT_REGION", REGION)
-        env.setenv("AWS_ENDPOINT_URL", server.endpoint)
+        for name, value in aws_test_settings(server.endpoint, tmp_path_factory.mktemp("aws")).items():
+            env.setenv(name, value)
         boto3.client("s3", region_name=REGION, endpoint_url=server.endpoint).create_bucket(Bucket=BUCKET)
         yield f"s3://{BUCKET}/runs"
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def tiny_teacher_dir(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("models") / "teacher"
-    build_digits_unet(block_out_channels=(8, 16), norm_num_groups=4).save_pretrained(path)
-    return path
+def tiny_teacher_dir(tiny_teacher) -> Path:
+    return Path(tiny_teacher)
 
 
 def write_recipe(path: Path, teacher: Path, rollouts: int, eval_interval: int = 0) -> Path:

@@ -73,19 +73,26 @@ def moto_server():
     server.stop()
 
 
+def aws_test_settings(endpoint: str, home: Path) -> dict[str, str]:
+    """Standard AWS settings pointing at moto; the developer's own ~/.aws files must not leak in."""
+    return {
+        "AWS_CONFIG_FILE": str(home / "no-aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(home / "no-aws-credentials"),
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_ENDPOINT_URL": endpoint,
+    }
+
+
 @pytest.fixture
 def s3_env(moto_server, monkeypatch, tmp_path):
     """A fresh moto with bucket BUCKET, and AWS settings pointing at it (standard env vars only)."""
     moto_server.reset()
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
         monkeypatch.delenv(name, raising=False)
-    # The developer's own ~/.aws files must not leak into the test.
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
+    for name, value in aws_test_settings(moto_server.endpoint, tmp_path).items():
+        monkeypatch.setenv(name, value)
     s3_client().create_bucket(Bucket=BUCKET)
     yield moto_server
     moto_server.require_credentials(False)
