@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml requirements.lock
 	touch $(STAMP)
 
 # Prefect logs every task run at INFO; the run prints its own progress, so keep Prefect to warnings.
+# The local server's telemetry heartbeat only contends for its sqlite file on a machine this small.
 run: $(STAMP)
-	PREFECT_LOGGING_LEVEL=$${PREFECT_LOGGING_LEVEL:-WARNING} $(PY) -m flows.cli run
+	PREFECT_LOGGING_LEVEL=$${PREFECT_LOGGING_LEVEL:-WARNING} \
+	PREFECT_SERVER_ANALYTICS_ENABLED=$${PREFECT_SERVER_ANALYTICS_ENABLED:-false} \
+	$(PY) -m flows.cli run
 
 test: $(STAMP)
 	$(PY) -m pytest -q
