@@ -36,6 +36,16 @@ class DiffusersVelocity:
         return self.model(**{self._input_name: x_s}, timestep=t, **cond, return_dict=False)[0]
 
 
+def load_pretrained(path: str) -> nn.Module:
+    """A diffusers model from a `save_pretrained` directory (or a hub id the machine can reach).
+
+    Weights load eagerly: the lazy path (`low_cpu_mem_usage`) needs accelerate, which nothing else here does.
+    """
+    from diffusers import AutoModel  # slow to import; only model loading needs it
+
+    return AutoModel.from_pretrained(str(path), low_cpu_mem_usage=False)
+
+
 def guided(velocity_fn: VelocityFn, scale: float, neg_cond: Cond) -> VelocityFn:
     """CFG over `neg_cond` (`v = v_neg + w (v_pos - v_neg)`), both branches in one batched forward.
 

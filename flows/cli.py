@@ -32,14 +32,12 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
-    from diffusers import AutoModel
-
     from dmd2.digits.pretrain import resolve_model
-    from dmd2.model import DiffusersVelocity
+    from dmd2.model import DiffusersVelocity, load_pretrained
     from dmd2.sample import generate
     from flows.progress import ProgressBar
 
-    model = AutoModel.from_pretrained(resolve_model(args.model, args.cache_dir, ProgressBar())).eval()
+    model = load_pretrained(resolve_model(args.model, args.cache_dir, ProgressBar())).eval()
     classes = getattr(model.config, "num_class_embeds", None)
     if not classes:
         raise SystemExit(f"error: --model {args.model} is not class-conditional (no num_class_embeds); "

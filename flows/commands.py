@@ -1,10 +1,9 @@
 """The orchestrated commands of the CLI: run (make run), distill, evaluate, serve."""
 
 import argparse
-import os
 from pathlib import Path
 
-from flows.cli_common import DEFAULT_CACHE, RECIPES, cache_arg
+from flows.cli_common import RECIPES, cache_arg
 
 MLFLOW_HINT = "mlflow ui --backend-store-uri {uri}   # then open http://127.0.0.1:5000"
 
@@ -56,24 +55,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from dmd2.config import load_recipe
     from dmd2.digits.table import Row, format_table
+    from dmd2.model import DiffusersVelocity
     from flows.distill import resolve_models
     from flows.evaluation import StudentEvaluator
     from infra.models import load_model
 
     result = _distill(args)
     config = resolve_models(load_recipe(args.recipe), args.cache_dir)
-    evaluator = StudentEvaluator.build(config, config.model.teacher, args.cache_dir)
-    teacher, yardstick, steps = load_model(config.model.teacher).eval(), evaluator.yardstick, config.student.num_steps
-    guidance = config.dmd2.teacher_guidance_scale
-    from dmd2.model import DiffusersVelocity
-
-    velocity = DiffusersVelocity(teacher)
+    yardstick = StudentEvaluator.build(config, config.model.teacher, args.cache_dir).yardstick
+    teacher = DiffusersVelocity(load_model(config.model.teacher).eval())
+    steps, guidance = config.student.num_steps, config.dmd2.teacher_guidance_scale
     with torch.no_grad():
         rows = [Row(f"teacher, {n} steps, guidance {guidance:g}",
-                    **yardstick.score_model(velocity, sampler="teacher", num_steps=n, guidance_scale=guidance))
+                    **yardstick.score_model(teacher, sampler="teacher", num_steps=n, guidance_scale=guidance))
                 for n in (config.eval.reference_steps, steps)]
         rows.append(Row(f"untrained student, {steps} steps",
-                        **yardstick.score_model(velocity, sampler="student", num_steps=steps)))
+                        **yardstick.score_model(teacher, sampler="student", num_steps=steps)))
     scores = result["eval"]
     rows.append(Row(f"DMD2 student, {steps} steps (this run)", scores["eval/fd_real"], scores["eval/fd_teacher"],
                     scores["eval/accuracy"]))

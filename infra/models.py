@@ -7,16 +7,15 @@ from torch import nn
 
 from dmd2.conditioning import ClassLabels, CondSource
 from dmd2.config import DistillConfig
+from dmd2.model import load_pretrained
 
 logger = logging.getLogger(__name__)
 
 
 def load_model(path: str) -> nn.Module:
     """A diffusers model from a local directory (or a hub id the machine can reach), in float32."""
-    from diffusers import AutoModel  # imported here: diffusers is slow to import and only ranks need it
-
     try:
-        return AutoModel.from_pretrained(path)
+        return load_pretrained(path)
     except (OSError, ValueError) as exc:
         raise FileNotFoundError(
             f"cannot load a diffusers model from {path!r} ({exc}); [model] teacher / student / critic_load "

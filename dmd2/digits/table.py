@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from diffusers import AutoModel
 
 from dmd2.config import DistillConfig
 from dmd2.digits.data import IMAGE_SHAPE, load_digits_splits
@@ -20,7 +19,7 @@ from dmd2.digits.evaluator import DigitsEvaluator
 from dmd2.digits.pretrain import resolve_model
 from dmd2.digits.yardstick import DIGIT_CONDS, Yardstick
 from dmd2.loop import InProcessDistiller
-from dmd2.model import DiffusersVelocity
+from dmd2.model import DiffusersVelocity, load_pretrained
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -43,7 +42,7 @@ def _distill(config: DistillConfig, teacher: torch.nn.Module, cache_dir: Path, p
     """The recipe's student (default: a copy of the teacher) and critic, distilled in process."""
 
     def load(spec: str | None) -> torch.nn.Module | None:
-        return AutoModel.from_pretrained(resolve_model(spec, cache_dir)) if spec else None
+        return load_pretrained(resolve_model(spec, cache_dir)) if spec else None
 
     distiller = InProcessDistiller.from_models(config, teacher, DIGIT_CONDS, IMAGE_SHAPE,
                                                student=load(config.model.student), critic=load(config.model.critic_load))
@@ -62,7 +61,7 @@ def quality_table(recipes: dict[str, DistillConfig], cache_dir: Path, progress: 
     guidance, ev = first.dmd2.teacher_guidance_scale, first.eval
     splits = load_digits_splits()
     evaluator = DigitsEvaluator.load_or_train(cache_dir, splits)
-    teacher = AutoModel.from_pretrained(resolve_model(first.model.teacher, cache_dir, progress)).eval()
+    teacher = load_pretrained(resolve_model(first.model.teacher, cache_dir, progress)).eval()
     teacher_fn = DiffusersVelocity(teacher)
     yardstick = Yardstick.build(evaluator, splits, teacher_fn, num_samples=ev.num_samples,
                                 reference_steps=ev.reference_steps, guidance_scale=guidance, seed=first.train.seed)
