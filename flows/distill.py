@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from dmd2.config import DistillConfig, config_to_dict, load_recipe
+from dmd2.config import ConfigError, DistillConfig, config_to_dict, load_recipe
 from dmd2.digits.pretrain import resolve_model
 from flows.cli_common import DEFAULT_CACHE
 from flows.evaluation import StudentEvaluator
@@ -86,6 +86,9 @@ def distill(
     """Distill the recipe's teacher into its student: `rollouts` rollout flows (default: the recipe's)."""
     cache = Path(cache_dir) if cache_dir else DEFAULT_CACHE
     config = load_recipe(recipe, overrides={"train": {"rollouts": rollouts}} if rollouts else None)
+    if config.train.loss_type != "dmd2":
+        raise ConfigError(f"[train] loss_type = {config.train.loss_type!r}: the distill flow runs DMD2 rollouts "
+                          "only; set loss_type = 'dmd2'")
     config = resolve_models(config, cache)
     store = ArtifactStore(store_uri or default_store_uri())
     store.checkpoint_key(run_id, 0)  # validates the run id before anything starts
