@@ -22,13 +22,21 @@ def add_distill_args(parser: argparse.ArgumentParser, default_recipe: Path) -> N
 
 
 def _distill(args: argparse.Namespace) -> dict:
+    from dmd2.config import load_recipe
     from flows.distill import distill
+    from infra.store_keys import validate_name
 
     if args.rollouts is not None and args.rollouts < 1:
         raise SystemExit("error: --rollouts must be >= 1")
     if not args.recipe.is_file():
         raise SystemExit(f"error: --recipe {args.recipe} does not exist (recipes are in {RECIPES})")
-    return distill(recipe=str(args.recipe), run_id=args.run_id or args.recipe.stem, rollouts=args.rollouts,
+    run_id = args.run_id or args.recipe.stem
+    try:  # before Prefect and Ray start: a bad id should cost nothing
+        validate_name(run_id, "--run-id")
+        load_recipe(args.recipe)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    return distill(recipe=str(args.recipe), run_id=run_id, rollouts=args.rollouts,
                    store_uri=args.store, ray_address=args.ray_address, tracking_uri=args.tracking_uri,
                    cache_dir=str(args.cache_dir), output_dir=str(args.output_dir))
 
