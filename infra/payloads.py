@@ -38,5 +38,5 @@ def get_record(store: ArtifactStore, ref: ArtifactRef) -> object:
     name = bytes(marker.tolist()).decode() if marker is not None else None
     if name not in RECORD_TYPES:
         raise ValueError(f"{ref.uri} holds no known record (found {name!r}); expected one of {sorted(RECORD_TYPES)}")
-    # Copies: the store may hand out copy-on-write file mappings, and hooks may write in place.
+    # Copies: hooks may write in place, and a record must not alias the store's read buffer.
     return from_tensor_dict(RECORD_TYPES[name], {k: v.clone() for k, v in tensors.items()})

@@ -125,8 +125,9 @@ class ArtifactStore:
     def put_tensors(self, key: str, tensors: Mapping[str, torch.Tensor]) -> ArtifactRef:
         """Store a dict of tensors as one safetensors object at ``key``; overwrites atomically.
 
-        Any dtype safetensors knows (fp32, bf16, fp16, int64, ...); tensors must not share memory
-        (a safetensors rule). Returns the ref to hand on.
+        Any dtype of ``store_tensors.DTYPE_NAMES`` (fp32, bf16, fp16, int64, ...); tensors must be
+        contiguous and must not share memory (safetensors' rules), and must not change until
+        this returns. Returns the ref to hand on.
         """
         validate_key(key)
         digest, nbytes = self._backend.write_tensors(key, dict(tensors))
@@ -135,8 +136,8 @@ class ArtifactStore:
     def get_tensors(self, ref: ArtifactRef, device: str = "cpu") -> dict[str, torch.Tensor]:
         """Load the tensors of ``ref`` after verifying its sha256 (``IntegrityError`` if not).
 
-        On ``file://`` the tensors are copy-on-write mappings of the verified file, as with
-        ``safetensors.torch.load_file``.
+        The tensors are parsed from the very bytes that were hashed, into private memory: what
+        happens to the stored object later cannot change them.
         """
         key = self._key_of(ref, "tensors")
         return self._backend.load_tensors(key, ref.uri, ref.sha256, ref.nbytes, device)

@@ -10,25 +10,18 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import shutil
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, TypeVar
 
-import safetensors.torch
-
-from infra.store_faults import ArtifactExistsError, check_sha256
-from infra.store_io import copy_hashing, hidden_sibling, sha256_hex, sha256_while
+from infra import store_tensors
+from infra.store_faults import ArtifactExistsError
+from infra.store_io import BackgroundSha256, Buffer, copy_hashing, hidden_sibling
 from infra.store_keys import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# Linux exposes an open descriptor as a path; opening it reaches the very inode we hashed, even
-# if the name has since been replaced, so nothing can swap the bytes between check and load.
-_FD_DIR = "/proc/self/fd"
 
 
 def _fsync_dir(folder: str) -> None:
@@ -47,28 +40,6 @@ def _write_durably(path: str, fill: Callable[[BinaryIO], T]) -> T:
         file.flush()
         os.fsync(file.fileno())
     return result
-
-
-def _sha256_of_fd(fd: int, size: int) -> str:
-    if size == 0:
-        return sha256_hex(b"")
-    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
-        return sha256_hex(memoryview(mapped))
-
-
-def _hash_and_fsync(path: str) -> tuple[str, int]:
-    """(sha256, size) of a file just written, fsynced: the flush waits on the disk and the hash on
-    the CPU, so they run side by side."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-fsync") as pool:
-            synced = pool.submit(os.fsync, fd)
-            digest = _sha256_of_fd(fd, size)
-            synced.result()
-        return digest, size
-    finally:
-        os.close(fd)
 
 
 class LocalBackend:
@@ -92,12 +63,30 @@ class LocalBackend:
         return os.path.join(self.root_dir, *key.split("/"))
 
     def write_bytes(self, key: str, data: bytes) -> str:
-        """Store ``data`` at ``key`` atomically (temp file + fsync + os.replace); return sha256."""
+        """Store ``data`` at ``key`` atomically; return its sha256."""
+        return self._write_atomically(key, [data])
+
+    def write_tensors(self, key: str, tensors: dict) -> tuple[str, int]:
+        """Store ``tensors`` as safetensors at ``key`` atomically; return (sha256, size).
+
+        The file is written straight from the tensors' memory (``store_tensors.serialize``),
+        and the same buffers are hashed meanwhile, so no serialised copy is ever made.
+        """
+        buffers = store_tensors.serialize(tensors)
+        return self._write_atomically(key, buffers), sum(len(buffer) for buffer in buffers)
+
+    def _write_atomically(self, key: str, buffers: list[Buffer]) -> str:
+        """Store the concatenation of ``buffers`` at ``key``: written to a temp file and fsynced,
+        then renamed into place. Returns its sha256, computed on a second thread meanwhile."""
         path = self.path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         temp = hidden_sibling(path, "tmp")
         try:
-            digest = _write_durably(temp, lambda f: sha256_while(data, lambda: f.write(data)))
+            with BackgroundSha256() as hasher:
+                for buffer in buffers:
+                    hasher.update(buffer)
+                _write_durably(temp, lambda file: file.writelines(buffers))
+                digest = hasher.hexdigest()  # the write and the fsync ran while it was hashed
             os.replace(temp, path)
         except BaseException:
             _remove_quietly(temp)
@@ -105,48 +94,17 @@ class LocalBackend:
         _fsync_dir(os.path.dirname(path))
         return digest
 
-    def write_tensors(self, key: str, tensors: dict) -> tuple[str, int]:
-        """Store ``tensors`` as safetensors at ``key`` atomically; return (sha256, size).
-
-        ``save_file`` writes straight from the tensors' memory (no intermediate bytes object);
-        the file is then hashed through a mapping of the page cache while fsync runs.
-        """
-        path = self.path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        temp = hidden_sibling(path, "tmp")
-        try:
-            safetensors.torch.save_file(tensors, temp)
-            digest, nbytes = _hash_and_fsync(temp)
-            os.replace(temp, path)
-        except BaseException:
-            _remove_quietly(temp)
-            raise
-        _fsync_dir(os.path.dirname(path))
-        return digest, nbytes
-
     def read_bytes(self, key: str) -> bytes:
         """The bytes stored at ``key`` (``FileNotFoundError`` if absent)."""
         with open(self.path(key), "rb") as file:
             return file.read()
 
     def load_tensors(self, key: str, uri: str, sha256: str, nbytes: int, device: str) -> dict:
-        """Verify the safetensors file at ``key`` against ``sha256`` and load it.
-
-        The file is hashed through a read-only mapping (no copy) and then opened by its
-        descriptor, so the tensors come from exactly the bytes that were checked; like
-        ``safetensors.torch.load_file`` they are copy-on-write mappings of the file.
-        """
-        fd = os.open(self.path(key), os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            check_sha256(uri, sha256, _sha256_of_fd(fd, size), _size_note(nbytes, size))
-            if os.path.isdir(_FD_DIR):
-                return safetensors.torch.load_file(f"{_FD_DIR}/{fd}", device=device)
-            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
-                tensors = safetensors.torch.load(mapped[:])
-            return {name: t.to(device) for name, t in tensors.items()}
-        finally:
-            os.close(fd)
+        """Read the safetensors file at ``key`` into private memory, hashing it as it is read,
+        and return its tensors once the sha256 matched (``store_tensors.read_verified``)."""
+        with open(self.path(key), "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            return store_tensors.read_verified(file, size, uri, sha256, nbytes, device)
 
     def read_file_to(self, key: str, dest: str) -> tuple[str, int]:
         """Copy the object at ``key`` to the new local file ``dest``; return (sha256, size)."""
@@ -216,10 +174,6 @@ class LocalDirWriter:
             shutil.rmtree(self.staging_dir)
         except OSError as exc:
             logger.warning("could not remove staging folder %s: %s", self.staging_dir, exc)
-
-
-def _size_note(expected: int, actual: int) -> str:
-    return "" if expected == actual else f"expected {expected} bytes, found {actual}"
 
 
 def _remove_quietly(path: str) -> None:

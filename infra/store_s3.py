@@ -12,6 +12,7 @@ Retries: s3fs and botocore each retry on their own; both are turned down to one 
 
 from __future__ import annotations
 
+import io
 import logging
 import re
 from collections.abc import Callable
@@ -19,8 +20,8 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 import s3fs
-import safetensors.torch
 
+from infra import store_tensors
 from infra.store_faults import (
     CREDENTIAL_SETTINGS,
     ENDPOINT_SETTINGS,
@@ -30,11 +31,10 @@ from infra.store_faults import (
     StoreNotFoundError,
     StoreUnavailableError,
     call_with_retries,
-    check_sha256,
     classify,
     describe,
 )
-from infra.store_io import CHUNK_BYTES, copy_hashing, sha256_hex, sha256_while
+from infra.store_io import CHUNK_BYTES, copy_hashing, sha256_while
 from infra.store_keys import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class S3Backend:
 
     def write_tensors(self, key: str, tensors: dict) -> tuple[str, int]:
         """Store ``tensors`` as one safetensors object at ``key``; return (sha256, size)."""
-        data = safetensors.torch.save(tensors)
+        data = b"".join(store_tensors.serialize(tensors))  # one upload needs one buffer
         return self.write_bytes(key, data), len(data)
 
     def read_bytes(self, key: str) -> bytes:
@@ -152,12 +152,10 @@ class S3Backend:
         return self._call("get", key, lambda: self._fs.cat_file(path))
 
     def load_tensors(self, key: str, uri: str, sha256: str, nbytes: int, device: str) -> dict:
-        """Download the safetensors object at ``key``, verify ``sha256``, then parse it."""
+        """Download the safetensors object at ``key`` (one request) and return its tensors once
+        the sha256 matched (``store_tensors.read_verified``)."""
         data = self.read_bytes(key)
-        detail = "" if len(data) == nbytes else f"expected {nbytes} bytes, found {len(data)}"
-        check_sha256(uri, sha256, sha256_hex(data), detail)
-        tensors = safetensors.torch.load(data)
-        return tensors if device == "cpu" else {k: t.to(device) for k, t in tensors.items()}
+        return store_tensors.read_verified(io.BytesIO(data), len(data), uri, sha256, nbytes, device)
 
     def write_file_from(self, key: str, local_path: str) -> tuple[str, int]:
         """Upload a local file, hashing it as it streams; return (sha256, size) of what was sent."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -15,8 +18,10 @@ from pathlib import Path
 
 import botocore.exceptions
 import pytest
+import safetensors.torch
 import torch
 
+from infra import store_tensors
 from infra.store import (
     ArtifactExistsError,
     ArtifactRef,
@@ -28,6 +33,8 @@ from infra.store import (
     StoreUnavailableError,
 )
 from infra.store_faults import Fault, call_with_retries, classify
+from infra.store_io import BackgroundSha256
+from infra.store_tensors import DTYPE_NAMES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN = "run-1"
@@ -57,6 +64,22 @@ def sample_tensors() -> dict[str, torch.Tensor]:
         "scalar": torch.tensor(3.5),
         "empty": torch.zeros(0, 4),
     }
+
+
+def every_dtype() -> dict[str, torch.Tensor]:
+    """One tensor of each dtype the store writes, of odd lengths (alignment must not depend on
+    the order of the names) and random bytes (NaN payloads and subnormals included)."""
+    generator = torch.Generator().manual_seed(1)
+    tensors = {}
+    for index, dtype in enumerate(DTYPE_NAMES):
+        count = 2 * index + 1
+        if dtype is torch.bool:
+            tensors["bool"] = torch.randint(0, 2, (count,), generator=generator).bool()
+            continue
+        size = (count * dtype.itemsize,)
+        raw = torch.randint(0, 256, size, dtype=torch.uint8, generator=generator)
+        tensors[str(dtype).removeprefix("torch.")] = raw.view(dtype)
+    return tensors
 
 
 def make_source_dir(path: Path, sizes: dict[str, int], seed: int = 0) -> Path:
@@ -123,6 +146,117 @@ def test_tensor_round_trip_is_bitwise(store_target):
     assert_bitwise_equal(tensors, store.get_tensors(ref))
     # A ref that went through JSON (as Prefect persists it) reads the same.
     assert_bitwise_equal(tensors, store.get_tensors(ArtifactRef.from_json(ref.to_json())))
+
+
+def test_every_dtype_round_trips(store_target):
+    store = ArtifactStore(store_target.root_uri)
+    tensors = every_dtype()
+    ref = store.put_tensors(store.rollout_key(RUN, 0, "actor", 0), tensors)
+    assert_bitwise_equal(tensors, store.get_tensors(ref))
+
+
+def test_stored_tensors_are_plain_aligned_safetensors(tmp_path):
+    """The store writes safetensors itself: safetensors' own reader loads the file, and every
+    tensor starts at a multiple of its element size, as with safetensors' writer."""
+    store = ArtifactStore(f"file://{tmp_path}")
+    tensors = {**every_dtype(), **sample_tensors()}
+    key = store.rollout_key(RUN, 0, "actor", 0)
+    ref = store.put_tensors(key, tensors)
+    data = (tmp_path / key).read_bytes()
+    assert ref.nbytes == len(data) and ref.sha256 == hashlib.sha256(data).hexdigest()
+    assert_bitwise_equal(tensors, safetensors.torch.load_file(tmp_path / key))
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    assert header_end % 8 == 0
+    for name, entry in json.loads(data[8:header_end]).items():
+        assert (header_end + entry["data_offsets"][0]) % tensors[name].element_size() == 0, name
+
+
+_BASE = torch.arange(8.0)
+
+
+@pytest.mark.parametrize(
+    "tensors, error",
+    [
+        ({"t": torch.zeros(3, 4).t()}, "not contiguous"),
+        ({"t": torch.zeros(4).to_sparse()}, "sparse"),
+        ({"t": torch.zeros(2, dtype=torch.complex128)}, "dtype"),
+        ({"__metadata__": torch.zeros(2)}, "__metadata__"),
+        ({"a": _BASE[2:6], "b": _BASE[:3]}, "share memory"),
+        ({"a": _BASE[:4], "b": _BASE[1:2], "c": _BASE[6:]}, "share memory"),
+    ],
+)
+def test_put_tensors_refuses_what_safetensors_refuses(tmp_path, tensors, error):
+    store = ArtifactStore(f"file://{tmp_path / 'store'}")
+    with pytest.raises(ValueError, match=error):
+        store.put_tensors(store.rollout_key(RUN, 0, "actor", 0), tensors)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_disjoint_views_of_one_tensor_are_stored(tmp_path):
+    store = ArtifactStore(f"file://{tmp_path}")
+    tensors = {"a": _BASE[:3], "b": _BASE[3:], "empty": _BASE[3:3]}
+    ref = store.put_tensors(store.rollout_key(RUN, 0, "actor", 0), tensors)
+    assert_bitwise_equal(tensors, store.get_tensors(ref))
+
+
+def test_files_of_safetensors_own_writer_are_read(tmp_path):
+    """Files written by save_file (as the store did before it laid out files itself) load."""
+    store = ArtifactStore(f"file://{tmp_path}")
+    tensors = {**every_dtype(), **sample_tensors()}
+    key = store.rollout_key(RUN, 0, "actor", 0)
+    path = tmp_path / key
+    path.parent.mkdir(parents=True)
+    safetensors.torch.save_file(tensors, path)
+    data = path.read_bytes()
+    ref = ArtifactRef(store.uri(key), hashlib.sha256(data).hexdigest(), len(data), "tensors")
+    assert_bitwise_equal(tensors, store.get_tensors(ref))
+
+
+def _file_with_header(header: object, data: bytes, length: int | None = None) -> bytes:
+    encoded = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    encoded += b" " * (-len(encoded) % 8)
+    return (len(encoded) if length is None else length).to_bytes(8, "little") + encoded + data
+
+
+def _entry(dtype: str, shape: list, begin: int, end: int) -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+@pytest.mark.parametrize(
+    "contents, error",
+    [
+        (b"\x01\x00", "too short"),
+        (_file_with_header({}, b"", length=1000), "past the end"),
+        (_file_with_header(b"not json", b""), "not JSON"),
+        (_file_with_header(b"\xff\xfe", b""), "not JSON"),
+        (_file_with_header([1, 2], b""), "not a JSON object"),
+        (_file_with_header({"a": _entry("F33", [1], 0, 4)}, bytes(4)), "bad safetensors header"),
+        (_file_with_header({"a": {"dtype": "F32"}}, bytes(4)), "bad safetensors header"),
+        (_file_with_header({"a": _entry("F32", [-1], 0, 4)}, bytes(4)), "bad shape"),
+        (_file_with_header({"a": _entry("F32", [True], 0, 4)}, bytes(4)), "bad shape"),
+        (_file_with_header({"a": _entry("F32", [2], 0, 4)}, bytes(4)), "do not match"),
+        (_file_with_header({"a": _entry("F32", [1], 4, 8)}, bytes(8)), "does not start"),
+        (_file_with_header({"a": _entry("F32", [1], 0, 4)}, bytes(8)), "do not fill"),
+        (
+            _file_with_header(
+                {"a": _entry("U8", [1], 0, 1), "b": _entry("F32", [1], 1, 5)}, bytes(5)
+            ),
+            "not aligned",
+        ),
+    ],
+)
+def test_verified_bytes_that_are_not_safetensors_are_refused(tmp_path, contents, error):
+    """The header is checked as safetensors' loader checks it, even on bytes that match their
+    ref (a ref forged by someone who can write the store): never a tensor out of bounds."""
+    store = ArtifactStore(f"file://{tmp_path}")
+    key = store.rollout_key(RUN, 0, "actor", 0)
+    path = tmp_path / key
+    path.parent.mkdir(parents=True)
+    path.write_bytes(contents)
+    digest = hashlib.sha256(contents).hexdigest()
+    ref = ArtifactRef(store.uri(key), digest, len(contents), "tensors")
+    with pytest.raises(ValueError, match=error):
+        store.get_tensors(ref)
 
 
 def test_json_round_trip(store_target):
@@ -300,6 +434,70 @@ def test_flipped_byte_in_tensors_is_detected(store_target):
     assert info.value.actual_sha256 != ref.sha256
 
 
+def test_flipped_byte_in_tensor_header_is_an_integrity_error(store_target):
+    """The header is parsed only once the digest matched: corrupt bytes never reach the parser."""
+    store = ArtifactStore(store_target.root_uri)
+    key = store.rollout_key(RUN, 0, "score", 0)
+    ref = store.put_tensors(key, sample_tensors())
+    store_target.flip_byte(key, 8)  # the header's opening '{'
+
+    with pytest.raises(IntegrityError) as info:
+        store.get_tensors(ref)
+    assert info.value.expected_sha256 == ref.sha256 != info.value.actual_sha256
+
+
+def test_chunked_read_detects_a_flipped_byte_in_any_chunk(tmp_path, monkeypatch):
+    """A file is read in pieces, each hashed on a worker thread while the next is read."""
+    monkeypatch.setattr(store_tensors, "_READ_PIECE_BYTES", 4096)  # dozens of pieces
+    store = ArtifactStore(f"file://{tmp_path}")
+    tensors = {"a": torch.randn(20_000), "b": torch.randn(3_333, dtype=torch.float64)}
+    key = store.rollout_key(RUN, 0, "score", 0)
+    ref = store.put_tensors(key, tensors)
+    assert ref.nbytes > 20 * 4096
+    assert_bitwise_equal(tensors, store.get_tensors(ref))
+
+    path = tmp_path / key
+    original = path.read_bytes()
+    for offset in (100, 3 * 4096 + 7, ref.nbytes - 1):  # first, a middle and the last chunk
+        damaged = bytearray(original)
+        damaged[offset] ^= 0x01
+        path.write_bytes(damaged)
+        with pytest.raises(IntegrityError):
+            store.get_tensors(ref)
+
+
+def test_loaded_tensors_are_private_copies_of_the_verified_bytes(tmp_path):
+    """Tensors come from the bytes that were hashed, not from a mapping of the file: changing
+    the file in place afterwards does not reach them."""
+    store = ArtifactStore(f"file://{tmp_path}")
+    tensors = {"a": torch.randn(1000)}
+    key = store.rollout_key(RUN, 0, "score", 0)
+    ref = store.put_tensors(key, tensors)
+    loaded = store.get_tensors(ref)
+    path = tmp_path / key
+    path.write_bytes(path.read_bytes()[:-4000] + bytes(4000))
+    assert_bitwise_equal(tensors, loaded)
+
+
+@pytest.mark.parametrize("max_backlog", [None, 1, 3])
+def test_background_sha256_hashes_buffers_in_order(max_backlog):
+    buffers = [os.urandom(size) for size in (0, 1, 5000, 3 << 20, 17, 1 << 20)]
+    with BackgroundSha256(max_backlog=max_backlog) as hasher:
+        for buffer in buffers:
+            hasher.update(memoryview(buffer))
+        digest = hasher.hexdigest()
+    assert digest == hashlib.sha256(b"".join(buffers)).hexdigest()
+
+
+def test_background_sha256_stops_its_worker_when_the_caller_fails():
+    with pytest.raises(RuntimeError, match="write failed"):
+        with BackgroundSha256() as hasher:
+            for _ in range(8):
+                hasher.update(bytes(4 << 20))
+            raise RuntimeError("write failed")
+    assert not [t for t in threading.enumerate() if t.name.startswith("store-sha256")]
+
+
 def test_flipped_byte_in_directory_is_detected(store_target, tmp_path):
     store = ArtifactStore(store_target.root_uri)
     key = store.checkpoint_key(RUN, 1)
@@ -445,10 +643,8 @@ def test_put_is_retried_while_s3_restarts(s3_target, moto_server, caplog):
 def test_unreachable_endpoint_gives_up_after_bounded_retries(s3_target, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: refused
     store = ArtifactStore(s3_target.root_uri, RetryPolicy(max_attempts=3, initial_delay_s=0.05))
-    started = time.monotonic()
     with pytest.raises(StoreUnavailableError) as info:
         store.put_json(f"{RUN}/x.json", 1)
-    assert time.monotonic() - started < 5
     assert "3 attempts" in str(info.value) and "AWS_ENDPOINT_URL" in str(info.value)
 
 
@@ -469,12 +665,11 @@ def test_wrong_credentials_fail_at_once_without_leaking_the_secret(
     caplog.set_level(logging.DEBUG)
     store = ArtifactStore(s3_target.root_uri)
 
-    started = time.monotonic()
     with pytest.raises(StoreAccessError) as put_error:
         store.put_tensors(store.rollout_key(RUN, 0, "actor", 0), {"x": torch.ones(1)})
     with pytest.raises(StoreAccessError) as list_error:
         store.latest_checkpoint(RUN)
-    assert time.monotonic() - started < 2, "refused credentials must not be retried"
+    assert "retrying" not in caplog.text, "refused credentials must not be retried"
 
     for error in (put_error.value, list_error.value):
         message = str(error)
@@ -486,14 +681,14 @@ def test_wrong_credentials_fail_at_once_without_leaking_the_secret(
     assert secret not in repr(store) and secret not in str(pickle.dumps(store))
 
 
-def test_missing_bucket_fails_at_once(s3_env):
+def test_missing_bucket_fails_at_once(s3_env, caplog):
     store = ArtifactStore("s3://no-such-bucket/artifacts")
-    started = time.monotonic()
-    with pytest.raises(StoreNotFoundError) as info:
-        store.put_json(f"{RUN}/x.json", 1)
-    with pytest.raises(StoreNotFoundError):
-        store.latest_checkpoint(RUN)  # a missing bucket is not "no checkpoint yet"
-    assert time.monotonic() - started < 2
+    with caplog.at_level(logging.WARNING, logger="infra"):
+        with pytest.raises(StoreNotFoundError) as info:
+            store.put_json(f"{RUN}/x.json", 1)
+        with pytest.raises(StoreNotFoundError):
+            store.latest_checkpoint(RUN)  # a missing bucket is not "no checkpoint yet"
+    assert "retrying" not in caplog.text, "a missing bucket must not be retried"
     assert "no-such-bucket" in str(info.value) and "AWS_ENDPOINT_URL" in str(info.value)
 
 
