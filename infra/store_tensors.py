@@ -21,6 +21,7 @@ once the whole file is read, or the read would need a second full copy (both slo
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import struct
@@ -148,9 +149,18 @@ def _refuse_shared_memory(tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous tensor: a view of its memory if it is on the CPU."""
-    plain = tensor.detach().cpu().resolve_conj().resolve_neg()
-    return memoryview(plain.reshape(-1).view(torch.uint8).numpy())
+    """The raw bytes of a contiguous tensor: a view of its memory if it is on the CPU.
+
+    The view goes through ctypes, not `.numpy()`: numpy would pin the caller's storage at its size
+    for good, and in-place offloading (a trainer group's sleep) resizes the storages of the very
+    parameters a checkpoint or an export stores. A put must leave its inputs as they were.
+    """
+    plain = tensor.detach().cpu().resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)
+    if plain.numel() == 0:
+        return memoryview(b"")
+    raw = (ctypes.c_char * plain.numel()).from_address(plain.data_ptr())
+    raw.keepalive = plain  # the memoryview holds `raw`, `raw` holds the (possibly temporary) CPU tensor
+    return memoryview(raw).cast("B")
 
 
 def _encode_header(header: dict) -> bytes:

@@ -750,3 +750,12 @@ def test_retries_are_bounded_and_only_for_transient_faults():
     assert len(calls) == 1
     delays = list(RetryPolicy(max_attempts=6, initial_delay_s=1, max_delay_s=4, jitter=0).delays())
     assert delays == [1, 2, 4, 4, 4]
+
+
+def test_a_put_leaves_its_tensors_resizable(tmp_path):
+    """A trainer group's sleep resizes parameter storages in place; storing them must not pin them."""
+    store = ArtifactStore(tmp_path.as_uri())
+    weight = torch.randn(4, 3)
+    ref = store.put_tensors(f"{RUN}/w.safetensors", {"w": weight})
+    weight.untyped_storage().resize_(0)  # raises if the put exported the storage (e.g. via .numpy())
+    assert store.get_tensors(ref)["w"].shape == (4, 3)
