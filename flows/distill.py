@@ -119,7 +119,7 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
            cache_dir: Path, output_dir: Path) -> RunResult:
     total, train = config.train.rollouts, config.train
     evaluator = StudentEvaluator.build(config, config.model.teacher, cache_dir)
-    progress, scores, grid = ProgressBar(), {}, None
+    progress, student, scores, grid = ProgressBar(), None, {}, None
     start = resume(groups, store, run_id)
     if start > total:
         raise ValueError(f"run {run_id} already has {start} rollouts; pass rollouts >= {start} to continue it, "
@@ -129,20 +129,26 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
         done = rollout_id + 1
         if _due(done, train.save_interval, total):
             save_groups(groups, run_id, done)
-        if _due(done, train.eval_interval, total):
-            student = evaluator.load_student(store, groups.actor.export_weights(f"{run_id}/eval/student.safetensors")[0])
+        if _due(done, train.eval_interval, total):  # always after the last rollout
+            student = _current_student(run_id, store, groups, evaluator)
             scores, grid = evaluator.evaluate(student)
             tracker.log_metrics(rollout_id, scores)
             tracker.log_image("samples", grid, step=rollout_id)
         progress(f"distill {run_id}", done, total)
-    return _export_student(config, run_id, store, groups, evaluator, tracker, output_dir, scores, grid)
-
-
-def _export_student(config, run_id, store, groups, evaluator, tracker, output_dir, scores, grid) -> RunResult:
-    """The student as a diffusers directory: locally, in the store, and as an MLflow artifact."""
-    student = evaluator.load_student(store, groups.actor.export_weights(f"{run_id}/eval/student.safetensors")[0])
-    if not scores:  # resumed after the last rollout: evaluate the restored student once more
+    if student is None:  # resumed after the last rollout: score the restored student once more
+        student = _current_student(run_id, store, groups, evaluator)
         scores, grid = evaluator.evaluate(student)
+    return _export_student(config, run_id, store, student, tracker, output_dir, scores, grid)
+
+
+def _current_student(run_id: str, store: ArtifactStore, groups: Groups, evaluator: StudentEvaluator):
+    """The actor group's current weights, through the store, in a diffusers model on the driver."""
+    weights = groups.actor.export_weights(f"{run_id}/eval/student.safetensors")[0]
+    return evaluator.load_student(store, weights)
+
+
+def _export_student(config, run_id, store, student, tracker, output_dir, scores, grid) -> RunResult:
+    """The student as a diffusers directory: locally, in the store, and as an MLflow artifact."""
     student_dir = output_dir / run_id / "student"
     student.save_pretrained(student_dir)
     store.put_dir(f"{run_id}/student/{config.train.rollouts}", student_dir)
