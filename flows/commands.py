@@ -102,10 +102,20 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Serve the distill flow as a deployment: `prefect deployment run 'distill/<name>'` starts runs."""
+def build_deployment(name: str, recipe: Path, run_id: str | None, cron: str | None):
+    """The distill flow as deployment `distill/<name>`; every run continues `run_id` (default: the recipe's name)."""
     from flows.distill import distill
 
-    parameters = {"recipe": str(args.recipe.resolve()), "run_id": args.run_id or args.recipe.stem}
-    distill.serve(name=args.name, cron=args.cron, parameters=parameters)
+    parameters = {"recipe": str(recipe.resolve()), "run_id": run_id or recipe.stem}
+    return distill.to_deployment(name=name, cron=cron, parameters=parameters,
+                                 description=f"DMD2 distillation of {recipe.name}; rerunning continues the same run")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the distill flow as a deployment: `prefect deployment run 'distill/<name>'` starts runs."""
+    from prefect import serve
+
+    if not args.recipe.is_file():
+        raise SystemExit(f"error: --recipe {args.recipe} does not exist (recipes are in {RECIPES})")
+    serve(build_deployment(args.name, args.recipe, args.run_id, args.cron))
     return 0
