@@ -8,7 +8,6 @@ could apply an optimizer step twice; the store already retries its own transient
 import time
 from dataclasses import dataclass, field
 
-import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -17,10 +16,12 @@ from infra.store import ArtifactRef
 from infra.store_faults import StoreUnavailableError
 from tasks.runtime import groups
 
-TRANSIENT = (StoreUnavailableError, ConnectionError, TimeoutError, ray.exceptions.RayActorError)
+# A dead rank actor is not among them: Ray does not restart it, so a retry would fail the same way.
+TRANSIENT = (StoreUnavailableError, ConnectionError, TimeoutError)
 
 
 def _transient(task, task_run, state) -> bool:
+    """Prefect's retry condition: retry only faults that a moment's wait can cure."""
     try:
         state.result()
     except TRANSIENT:
