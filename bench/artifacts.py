@@ -11,7 +11,10 @@ For a tensor dict of --size-mb MB it times, --repeats times each, like against l
   returns, so both must touch every byte, as any consumer of the tensors does in the end.
 
 It prints the median MB/s of each, the ratio store / safetensors (goal >= 0.8), and for context
-only (not like for like) save_file without fsync, load_file without reading, and sha256 alone,
+only (not like for like) save_file without fsync, load_file without reading, safetensors'
+private-memory loader (``safetensors.torch.load`` of the file's bytes, then the same read: private
+memory as the store's get, but unverified), and the store's
+digest alone (piece-wise sha256 on every hashing thread; a plain sha256 on one core beside it),
 which bounds any verified put or get.
 
     python bench/artifacts.py [--size-mb 64] [--repeats 5] [--dir /tmp]
@@ -36,6 +39,7 @@ import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
 from infra.store import ArtifactStore  # noqa: E402
+from infra.store_digest import hash_threads, piecewise_sha256  # noqa: E402
 
 MB = 2**20
 
@@ -88,7 +92,10 @@ def run_once(store: ArtifactStore, folder: Path, tensors: dict, index: int) -> d
     seconds["get+read/store"] = timed(lambda: read_all(store.get_tensors(ref)))[0]
     seconds["save_file"] = timed(lambda: safetensors.torch.save_file(tensors, plain))[0]
     seconds["load_file"] = timed(lambda: load(durable))[0]
+    from_bytes = safetensors.torch.load
+    seconds["load_bytes"] = timed(lambda: read_all(from_bytes(durable.read_bytes())))[0]
     data = durable.read_bytes()
+    seconds["digest"] = timed(lambda: piecewise_sha256(data))[0]
     seconds["sha256"] = timed(lambda: hashlib.sha256(data).hexdigest())[0]
     durable.unlink()
     plain.unlink()
@@ -111,7 +118,12 @@ def report(rounds: list[dict[str, float]], nbytes: int) -> None:
     print("context only, not like for like:")
     print(f"  save_file without fsync:   {mbps('save_file'):9.1f} MB/s")
     print(f"  load_file without reading: {mbps('load_file'):9.1f} MB/s (maps, reads nothing)")
-    print(f"  sha256 alone, one core:    {mbps('sha256'):9.1f} MB/s (bounds a verified put/get)")
+    print(f"  load(bytes)+read:          {mbps('load_bytes'):9.1f} MB/s (private memory, unverified)")
+    print(
+        f"  store digest alone:        {mbps('digest'):9.1f} MB/s on {hash_threads()} thread(s) "
+        "(bounds a verified put/get)"
+    )
+    print(f"  plain sha256, one core:    {mbps('sha256'):9.1f} MB/s (the digest before pieces)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,6 @@ import copy
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from torch import nn
 
 from dmd2.conditioning import CondSource

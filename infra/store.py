@@ -1,12 +1,13 @@
 """The artifact store: where tasks put tensors, JSON and directories, and the references to them.
 
 Tasks hand each other ``ArtifactRef``s, never tensors. A ref names a URI below the store's root
-and the sha256 of the bytes written there, so every read is checked against what was written:
+and the digest of the bytes written there (a piece-wise sha256, hashed on every core:
+``store_digest``), so every read is checked against what was written:
 
 - **atomic**: a reader never sees a partial object (temp file + rename on ``file://``, one upload
-  on ``s3://``); a directory becomes visible when its ``MANIFEST.json`` (each file's sha256) is
+  on ``s3://``); a directory becomes visible when its ``MANIFEST.json`` (each file's digest) is
   written, last;
-- **verified**: every read checks the sha256 and raises ``IntegrityError`` on a mismatch;
+- **verified**: every read checks the digest and raises ``IntegrityError`` on a mismatch;
 - **safe to load**: only safetensors and JSON are ever parsed (never pickle), keys are validated
   (``store_keys``), and refs must lie under this store's root;
 - **resilient**: transient S3 faults are retried (``RetryPolicy``); a missing bucket and refused
@@ -39,7 +40,8 @@ from infra.store_faults import (
     StoreUnavailableError,
     check_sha256,
 )
-from infra.store_io import hash_file, hidden_sibling, list_local_files, sha256_hex
+from infra.store_digest import file_digest, piecewise_sha256
+from infra.store_io import hidden_sibling, list_local_files
 from infra.store_keys import MANIFEST_NAME, ManifestEntry, validate_key, validate_name
 from infra.store_local import LocalBackend
 from infra.store_refs import ArtifactRef, Checkpoint
@@ -134,7 +136,7 @@ class ArtifactStore:
         return self._new_ref(key, digest, nbytes, "tensors")
 
     def get_tensors(self, ref: ArtifactRef, device: str = "cpu") -> dict[str, torch.Tensor]:
-        """Load the tensors of ``ref`` after verifying its sha256 (``IntegrityError`` if not).
+        """Load the tensors of ``ref`` after verifying its digest (``IntegrityError`` if not).
 
         The tensors are parsed from the very bytes that were hashed, into private memory: what
         happens to the stored object later cannot change them.
@@ -149,10 +151,10 @@ class ArtifactStore:
         return self._new_ref(key, self._backend.write_bytes(key, data), len(data), "json")
 
     def get_json(self, ref: ArtifactRef) -> Any:
-        """The JSON value of ``ref``, after verifying its sha256."""
+        """The JSON value of ``ref``, after verifying its digest."""
         key = self._key_of(ref, "json")
         data = self._backend.read_bytes(key)
-        check_sha256(ref.uri, ref.sha256, sha256_hex(data))
+        check_sha256(ref.uri, ref.sha256, piecewise_sha256(data))
         return json.loads(data.decode("utf-8"))
 
     def _new_ref(self, key: str, digest: str, nbytes: int, kind: str) -> ArtifactRef:
@@ -195,7 +197,7 @@ class ArtifactStore:
         except BaseException:
             writer.abort()
             raise
-        ref = self._new_ref(key, sha256_hex(manifest), _total(entries), "dir")
+        ref = self._new_ref(key, piecewise_sha256(manifest), _total(entries), "dir")
         logger.info("stored directory %s (%d files, %d bytes)", ref.uri, len(entries), ref.nbytes)
         return ref
 
@@ -233,7 +235,7 @@ class ArtifactStore:
         manifest_key = f"{key}/{MANIFEST_NAME}"
         data = self._backend.read_bytes(manifest_key)
         uri = self._backend.uri_of(manifest_key)
-        check_sha256(uri, expected_sha256, sha256_hex(data), "directory manifest")
+        check_sha256(uri, expected_sha256, piecewise_sha256(data), "directory manifest")
         return store_keys.decode_manifest(data, uri)
 
     def _dir_ref_or_none(self, key: str) -> ArtifactRef | None:
@@ -248,7 +250,7 @@ class ArtifactStore:
         except ValueError as exc:
             logger.warning("ignoring %s: %s", uri, exc)
             return None
-        return ArtifactRef(self._backend.uri_of(key), sha256_hex(data), _total(entries), "dir")
+        return ArtifactRef(self._backend.uri_of(key), piecewise_sha256(data), _total(entries), "dir")
 
     def _same_dir_or_raise(
         self, existing: ArtifactRef, files: list[tuple[str, Path]]
@@ -256,9 +258,9 @@ class ArtifactStore:
         # Only reached when a key is stored again, so hashing the local files twice is rare.
         entries = []
         for rel_path, path in files:
-            digest, nbytes = hash_file(path)
+            digest, nbytes = file_digest(path)
             entries.append(ManifestEntry(rel_path, nbytes, digest))
-        if sha256_hex(store_keys.encode_manifest(entries)) == existing.sha256:
+        if piecewise_sha256(store_keys.encode_manifest(entries)) == existing.sha256:
             logger.info("directory %s already stored with identical contents", existing.uri)
             return existing
         raise ArtifactExistsError(

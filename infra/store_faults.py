@@ -76,7 +76,7 @@ class StoreError(Exception):
 
 
 class IntegrityError(StoreError):
-    """Stored bytes do not match the sha256 they were written with (corruption or tampering)."""
+    """Stored bytes do not match the digest they were written with (corruption or tampering)."""
 
     def __init__(self, uri: str, expected_sha256: str, actual_sha256: str, detail: str = ""):
         self.uri = uri
@@ -84,7 +84,7 @@ class IntegrityError(StoreError):
         self.actual_sha256 = actual_sha256
         suffix = f" ({detail})" if detail else ""
         super().__init__(
-            f"integrity check failed for {uri}: expected sha256 {expected_sha256}, "
+            f"integrity check failed for {uri}: expected piece-wise sha256 {expected_sha256}, "
             f"got {actual_sha256}{suffix}"
         )
 

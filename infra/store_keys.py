@@ -112,7 +112,7 @@ def is_sha256(value: object) -> bool:
 
 @dataclass(frozen=True)
 class ManifestEntry:
-    """One file of a stored directory: its relative path, size and sha256."""
+    """One file of a stored directory: its relative path, size and digest (piece-wise sha256)."""
 
     path: str
     nbytes: int

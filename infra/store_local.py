@@ -17,7 +17,8 @@ from typing import BinaryIO, TypeVar
 
 from infra import store_tensors
 from infra.store_faults import ArtifactExistsError
-from infra.store_io import BackgroundSha256, Buffer, copy_hashing, hidden_sibling
+from infra.store_digest import Buffer, PiecewiseSha256
+from infra.store_io import copy_hashing, hidden_sibling
 from infra.store_keys import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
@@ -63,11 +64,11 @@ class LocalBackend:
         return os.path.join(self.root_dir, *key.split("/"))
 
     def write_bytes(self, key: str, data: bytes) -> str:
-        """Store ``data`` at ``key`` atomically; return its sha256."""
+        """Store ``data`` at ``key`` atomically; return its digest."""
         return self._write_atomically(key, [data])
 
     def write_tensors(self, key: str, tensors: dict) -> tuple[str, int]:
-        """Store ``tensors`` as safetensors at ``key`` atomically; return (sha256, size).
+        """Store ``tensors`` as safetensors at ``key`` atomically; return (digest, size).
 
         The file is written straight from the tensors' memory (``store_tensors.serialize``),
         and the same buffers are hashed meanwhile, so no serialised copy is ever made.
@@ -77,12 +78,12 @@ class LocalBackend:
 
     def _write_atomically(self, key: str, buffers: list[Buffer]) -> str:
         """Store the concatenation of ``buffers`` at ``key``: written to a temp file and fsynced,
-        then renamed into place. Returns its sha256, computed on a second thread meanwhile."""
+        then renamed into place. Returns its digest, computed on the hashing pool meanwhile."""
         path = self.path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         temp = hidden_sibling(path, "tmp")
         try:
-            with BackgroundSha256() as hasher:
+            with PiecewiseSha256() as hasher:
                 for buffer in buffers:
                     hasher.update(buffer)
                 _write_durably(temp, lambda file: file.writelines(buffers))
@@ -100,14 +101,18 @@ class LocalBackend:
             return file.read()
 
     def load_tensors(self, key: str, uri: str, sha256: str, nbytes: int, device: str) -> dict:
-        """Read the safetensors file at ``key`` into private memory, hashing it as it is read,
-        and return its tensors once the sha256 matched (``store_tensors.read_verified``)."""
+        """Read the safetensors file at ``key`` into private memory, in parallel pieces each
+        hashed as it is read, and return its tensors once the digest matched
+        (``store_tensors.read_verified``)."""
         with open(self.path(key), "rb") as file:
-            size = os.fstat(file.fileno()).st_size
-            return store_tensors.read_verified(file, size, uri, sha256, nbytes, device)
+            fd = file.fileno()
+            size = os.fstat(fd).st_size
+            return store_tensors.read_verified(
+                size, lambda piece, offset: os.preadv(fd, [piece], offset), uri, sha256, nbytes, device
+            )
 
     def read_file_to(self, key: str, dest: str) -> tuple[str, int]:
-        """Copy the object at ``key`` to the new local file ``dest``; return (sha256, size)."""
+        """Copy the object at ``key`` to the new local file ``dest``; return (digest, size)."""
         with open(self.path(key), "rb") as src:
             return _write_durably(dest, lambda out: copy_hashing(src, out))
 
@@ -148,7 +153,7 @@ class LocalDirWriter:
         os.makedirs(self.staging_dir)
 
     def write_file(self, rel_path: str, local_path: str) -> tuple[str, int]:
-        """Copy one local file into the staging folder; return (sha256, size) of what was read."""
+        """Copy one local file into the staging folder; return (digest, size) of what was read."""
         dest = os.path.join(self.staging_dir, *rel_path.split("/"))
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         with open(local_path, "rb") as src:

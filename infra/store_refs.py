@@ -16,8 +16,9 @@ KINDS = ("tensors", "json", "dir")
 class ArtifactRef:
     """A persisted artifact: where it is, what its bytes hash to, how big, what kind.
 
-    ``sha256`` is the hash of the stored object (for ``kind == "dir"``: of its MANIFEST.json,
-    which lists every file's hash); ``nbytes`` is the object's size (for a directory: the sum of
+    ``sha256`` is the store's digest of the stored object, a piece-wise sha256
+    (``infra.store_digest``; for ``kind == "dir"``: of its MANIFEST.json, which lists every
+    file's digest); ``nbytes`` is the object's size (for a directory: the sum of
     its files). Plain str/int fields, so Prefect can persist it, and ``to_json``/``from_json``
     (or ``to_dict``/``from_dict``) round-trip it exactly.
     """

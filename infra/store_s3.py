@@ -12,7 +12,6 @@ Retries: s3fs and botocore each retry on their own; both are turned down to one 
 
 from __future__ import annotations
 
-import io
 import logging
 import re
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from infra.store_faults import (
     classify,
     describe,
 )
-from infra.store_io import CHUNK_BYTES, copy_hashing, sha256_while
+from infra.store_io import CHUNK_BYTES, copy_hashing, digest_while
 from infra.store_keys import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
@@ -133,16 +132,16 @@ class S3Backend:
             return "the configured endpoint"
 
     def write_bytes(self, key: str, data: bytes) -> str:
-        """Store ``data`` in one upload (visible only once complete); return its sha256."""
+        """Store ``data`` in one upload (visible only once complete); return its digest."""
         path = self._path(key)
 
         def upload() -> None:
             self._call("put", key, lambda: self._fs.pipe_file(path, data))
 
-        return sha256_while(data, upload)
+        return digest_while(data, upload)
 
     def write_tensors(self, key: str, tensors: dict) -> tuple[str, int]:
-        """Store ``tensors`` as one safetensors object at ``key``; return (sha256, size)."""
+        """Store ``tensors`` as one safetensors object at ``key``; return (digest, size)."""
         data = b"".join(store_tensors.serialize(tensors))  # one upload needs one buffer
         return self.write_bytes(key, data), len(data)
 
@@ -153,12 +152,18 @@ class S3Backend:
 
     def load_tensors(self, key: str, uri: str, sha256: str, nbytes: int, device: str) -> dict:
         """Download the safetensors object at ``key`` (one request) and return its tensors once
-        the sha256 matched (``store_tensors.read_verified``)."""
-        data = self.read_bytes(key)
-        return store_tensors.read_verified(io.BytesIO(data), len(data), uri, sha256, nbytes, device)
+        the digest matched (``store_tensors.read_verified``)."""
+        data = memoryview(self.read_bytes(key))
+
+        def read_at(piece: memoryview, offset: int) -> int:
+            source = data[offset : offset + len(piece)]
+            piece[: len(source)] = source
+            return len(source)
+
+        return store_tensors.read_verified(len(data), read_at, uri, sha256, nbytes, device)
 
     def write_file_from(self, key: str, local_path: str) -> tuple[str, int]:
-        """Upload a local file, hashing it as it streams; return (sha256, size) of what was sent."""
+        """Upload a local file, hashing it as it streams; return (digest, size) of what was sent."""
         return self._call("put", key, lambda: self._upload_once(self._path(key), local_path))
 
     def _upload_once(self, path: str, local_path: str) -> tuple[str, int]:
@@ -173,7 +178,7 @@ class S3Backend:
         return result
 
     def read_file_to(self, key: str, dest: str) -> tuple[str, int]:
-        """Download the object at ``key`` into the local file ``dest``; return (sha256, size)."""
+        """Download the object at ``key`` into the local file ``dest``; return (digest, size)."""
         return self._call("get", key, lambda: self._download_once(self._path(key), dest))
 
     def _download_once(self, path: str, dest: str) -> tuple[str, int]:
@@ -252,7 +257,7 @@ class S3DirWriter:
         backend.delete_tree(key)
 
     def write_file(self, rel_path: str, local_path: str) -> tuple[str, int]:
-        """Upload one file of the directory; return (sha256, size) of what was sent."""
+        """Upload one file of the directory; return (digest, size) of what was sent."""
         return self.backend.write_file_from(f"{self.key}/{rel_path}", local_path)
 
     def commit(self, manifest: bytes) -> None:

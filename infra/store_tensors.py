@@ -1,5 +1,5 @@
-"""Tensor dicts in the store, in the safetensors format, written and read so that the sha256 runs
-on a second thread over the very buffers being moved, and no tensor is handed out unverified.
+"""Tensor dicts in the store, in the safetensors format, written and read so that the hash runs
+on other threads over the very buffers being moved, and no tensor is handed out unverified.
 
 Writing (``serialize``): the store lays out the file itself: an 8-byte little-endian header
 length, the JSON header padded with spaces to a multiple of 8, then each tensor's bytes. The file
@@ -9,14 +9,12 @@ byte while the same buffers are written, with no serialised copy in between
 finished). Tensors are ordered by element size, largest first, so that each starts at a multiple
 of its element size, as with safetensors' own writer.
 
-Reading (``read_verified``): the file is read into one private buffer, piece by piece, each
-piece hashed while the next is read; only once the digest matches is the header parsed (JSON)
-and checked as safetensors' loader checks it, and the tensors are views of that buffer. So they
-hold exactly the bytes that were hashed, nothing unverified is ever parsed, and later changes to
-the stored object cannot reach them (they live in private memory, as with
+Reading (``read_verified``): the file is read into one private buffer, the pieces of the store's
+digest in parallel, each hashed by the thread that read it; only once the digest matches is the
+header parsed (JSON) and checked as safetensors' loader checks it, and the tensors are views of
+that buffer. So they hold exactly the bytes that were hashed, nothing unverified is ever parsed,
+and later changes to the stored object cannot reach them (they live in private memory, as with
 ``safetensors.torch.load``, not in a mapping of the file, as with ``load_file``).
-``safetensors.torch.load`` itself needs one ``bytes`` object: the hash could then start only
-once the whole file is read, or the read would need a second full copy (both slower).
 """
 
 from __future__ import annotations
@@ -26,13 +24,12 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Mapping
-from typing import BinaryIO
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 
-from infra import store_io
+from infra.store_digest import Buffer, fill_hashing
 from infra.store_faults import check_sha256
 
 # safetensors' names of the dtypes the store writes; its loader knows every one of them.
@@ -57,14 +54,9 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 _DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 _METADATA_KEY = "__metadata__"  # reserved by the format for free-text metadata
 _LENGTH_BYTES = 8  # the header length that starts the file
-# A file is read in small pieces, and the reader waits while more than a few are unhashed: the
-# hash then reads each piece while it is still in the CPU cache, not from memory, which is faster
-# and leaves the memory bus to the reader (about 10% on a verified get of 64 MB).
-_READ_PIECE_BYTES = 2**20
-_READ_BACKLOG = 2
 
 
-def serialize(tensors: Mapping[str, torch.Tensor]) -> list[store_io.Buffer]:
+def serialize(tensors: Mapping[str, torch.Tensor]) -> list[Buffer]:
     """The safetensors file of ``tensors`` as buffers whose concatenation is the file.
 
     The first buffer is the header; the others are the tensors' own memory (CPU tensors are not
@@ -95,23 +87,22 @@ def serialize(tensors: Mapping[str, torch.Tensor]) -> list[store_io.Buffer]:
 
 
 def read_verified(
-    src: BinaryIO, size: int, uri: str, sha256: str, nbytes: int, device: str
+    size: int,
+    read_at: Callable[[memoryview, int], int],
+    uri: str,
+    sha256: str,
+    nbytes: int,
+    device: str,
 ) -> dict[str, torch.Tensor]:
-    """The tensors of the safetensors file ``src`` (``size`` bytes), once its sha256 matched.
+    """The tensors of a safetensors object of ``size`` bytes, once its digest matched ``sha256``.
 
-    Raises ``IntegrityError`` if the bytes do not match ``sha256`` (``nbytes`` only words the
-    message), and ``ValueError`` if verified bytes are not a safetensors file.
+    ``read_at(view, offset)`` reads the object's bytes from ``offset`` into ``view`` and returns
+    the count (``store_digest.fill_hashing``). Raises ``IntegrityError`` if the bytes do not match
+    (``nbytes`` only words the message), and ``ValueError`` if verified bytes are not a
+    safetensors file.
     """
     data = np.empty(size, dtype=np.uint8)  # not zero-filled: the read writes every byte
-    view, filled = memoryview(data), 0
-    with store_io.BackgroundSha256(max_backlog=_READ_BACKLOG) as hasher:
-        while filled < size:
-            count = src.readinto(view[filled : filled + _READ_PIECE_BYTES])
-            if not count:
-                break  # the object is shorter than it was: the digest will tell
-            hasher.update(view[filled : filled + count])
-            filled += count
-        digest = hasher.hexdigest()
+    digest, filled = fill_hashing(memoryview(data), read_at)
     detail = "" if filled == nbytes else f"expected {nbytes} bytes, found {filled}"
     check_sha256(uri, sha256, digest, detail)
     tensors = _tensors_in(data[:filled], uri)

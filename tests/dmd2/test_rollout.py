@@ -29,7 +29,7 @@ def test_student_called_exactly_i_times_before_the_step_i_pair():
 
 
 def test_backward_simulation_matches_an_explicit_loop():
-    num_steps, sigmas = 3, student_sigmas(3)
+    sigmas = student_sigmas(3)
     model = CountingModel()
     noise, renoise = torch.randn(5, 1, 2, 2), torch.randn(2, 5, 1, 2, 2)
     stop = torch.tensor([0, 1, 2, 2, 1])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -10,7 +9,6 @@ import pickle
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 import uuid
@@ -21,7 +19,6 @@ import pytest
 import safetensors.torch
 import torch
 
-from infra import store_tensors
 from infra.store import (
     ArtifactExistsError,
     ArtifactRef,
@@ -33,8 +30,8 @@ from infra.store import (
     StoreUnavailableError,
 )
 from infra.store_faults import Fault, call_with_retries, classify
-from infra.store_io import BackgroundSha256
 from infra.store_tensors import DTYPE_NAMES
+from tests.infra.digest_reference import PIECE, reference_digest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN = "run-1"
@@ -163,7 +160,7 @@ def test_stored_tensors_are_plain_aligned_safetensors(tmp_path):
     key = store.rollout_key(RUN, 0, "actor", 0)
     ref = store.put_tensors(key, tensors)
     data = (tmp_path / key).read_bytes()
-    assert ref.nbytes == len(data) and ref.sha256 == hashlib.sha256(data).hexdigest()
+    assert ref.nbytes == len(data) and ref.sha256 == reference_digest(data)
     assert_bitwise_equal(tensors, safetensors.torch.load_file(tmp_path / key))
     header_end = 8 + int.from_bytes(data[:8], "little")
     assert header_end % 8 == 0
@@ -208,7 +205,7 @@ def test_files_of_safetensors_own_writer_are_read(tmp_path):
     path.parent.mkdir(parents=True)
     safetensors.torch.save_file(tensors, path)
     data = path.read_bytes()
-    ref = ArtifactRef(store.uri(key), hashlib.sha256(data).hexdigest(), len(data), "tensors")
+    ref = ArtifactRef(store.uri(key), reference_digest(data), len(data), "tensors")
     assert_bitwise_equal(tensors, store.get_tensors(ref))
 
 
@@ -253,7 +250,7 @@ def test_verified_bytes_that_are_not_safetensors_are_refused(tmp_path, contents,
     path = tmp_path / key
     path.parent.mkdir(parents=True)
     path.write_bytes(contents)
-    digest = hashlib.sha256(contents).hexdigest()
+    digest = reference_digest(contents)
     ref = ArtifactRef(store.uri(key), digest, len(contents), "tensors")
     with pytest.raises(ValueError, match=error):
         store.get_tensors(ref)
@@ -446,24 +443,21 @@ def test_flipped_byte_in_tensor_header_is_an_integrity_error(store_target):
     assert info.value.expected_sha256 == ref.sha256 != info.value.actual_sha256
 
 
-def test_chunked_read_detects_a_flipped_byte_in_any_chunk(tmp_path, monkeypatch):
-    """A file is read in pieces, each hashed on a worker thread while the next is read."""
-    monkeypatch.setattr(store_tensors, "_READ_PIECE_BYTES", 4096)  # dozens of pieces
-    store = ArtifactStore(f"file://{tmp_path}")
-    tensors = {"a": torch.randn(20_000), "b": torch.randn(3_333, dtype=torch.float64)}
+def test_a_flipped_byte_is_detected_in_any_piece(store_target):
+    """An object is read and hashed in 1 MiB pieces, in parallel: damage in the first, a middle
+    or the last piece fails the read."""
+    store = ArtifactStore(store_target.root_uri)
+    tensors = {"a": torch.randn(800_000), "b": torch.randn(3_333, dtype=torch.float64)}
     key = store.rollout_key(RUN, 0, "score", 0)
     ref = store.put_tensors(key, tensors)
-    assert ref.nbytes > 20 * 4096
+    assert ref.nbytes > 3 * PIECE
     assert_bitwise_equal(tensors, store.get_tensors(ref))
-
-    path = tmp_path / key
-    original = path.read_bytes()
-    for offset in (100, 3 * 4096 + 7, ref.nbytes - 1):  # first, a middle and the last chunk
-        damaged = bytearray(original)
-        damaged[offset] ^= 0x01
-        path.write_bytes(damaged)
+    for offset in (100, PIECE + 7, ref.nbytes - 1):
+        store_target.flip_byte(key, offset)
         with pytest.raises(IntegrityError):
             store.get_tensors(ref)
+        store_target.flip_byte(key, offset)  # flipped back: the object reads again
+        assert_bitwise_equal(tensors, store.get_tensors(ref))
 
 
 def test_loaded_tensors_are_private_copies_of_the_verified_bytes(tmp_path):
@@ -477,25 +471,6 @@ def test_loaded_tensors_are_private_copies_of_the_verified_bytes(tmp_path):
     path = tmp_path / key
     path.write_bytes(path.read_bytes()[:-4000] + bytes(4000))
     assert_bitwise_equal(tensors, loaded)
-
-
-@pytest.mark.parametrize("max_backlog", [None, 1, 3])
-def test_background_sha256_hashes_buffers_in_order(max_backlog):
-    buffers = [os.urandom(size) for size in (0, 1, 5000, 3 << 20, 17, 1 << 20)]
-    with BackgroundSha256(max_backlog=max_backlog) as hasher:
-        for buffer in buffers:
-            hasher.update(memoryview(buffer))
-        digest = hasher.hexdigest()
-    assert digest == hashlib.sha256(b"".join(buffers)).hexdigest()
-
-
-def test_background_sha256_stops_its_worker_when_the_caller_fails():
-    with pytest.raises(RuntimeError, match="write failed"):
-        with BackgroundSha256() as hasher:
-            for _ in range(8):
-                hasher.update(bytes(4 << 20))
-            raise RuntimeError("write failed")
-    assert not [t for t in threading.enumerate() if t.name.startswith("store-sha256")]
 
 
 def test_flipped_byte_in_directory_is_detected(store_target, tmp_path):

@@ -1,0 +1,214 @@
+"""The digest every stored object is checked against, computed on all cores.
+
+A plain sha256 is one sequential stream: about 1 GB/s on one core, whatever the machine, so a
+verified read of a 24 GB checkpoint would spend 25 s hashing while the other cores wait. The
+store therefore hashes objects the way S3's composite checksums and BitTorrent's pieces do:
+
+    digest(object) = sha256(sha256(piece_0) || sha256(piece_1) || ... )
+
+where the pieces are the object's consecutive ``PIECE_BYTES`` bytes (the last one shorter; an
+empty object has no pieces). The pieces are hashed in parallel; the digest is as hard to collide
+as sha256 itself (a collision of the list implies one of sha256), and a different length changes
+the last piece. It is what ``ArtifactRef.sha256`` and every MANIFEST.json entry hold. ``sha256sum``
+does not compute it; this module does:
+
+    python -m infra.store_digest FILE...
+
+Three ways to compute it, one per way the bytes arrive:
+
+- ``piecewise_sha256(buffer)``: bytes already in memory;
+- ``PiecewiseSha256``: bytes that arrive as a stream (a write, an upload, a download); pieces are
+  hashed on the pool while the caller moves the next bytes;
+- ``fill_hashing(dest, read_at)``: bytes read into a buffer at known offsets (a local file);
+  each pool thread reads a piece and hashes it at once, while it is still in that core's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+
+PIECE_BYTES = 2**20
+# hashlib releases the GIL on large buffers, so threads hash on separate cores. Past 16, a
+# piece-wise read is bound by memory bandwidth, not by sha256.
+_MAX_HASH_THREADS = 16
+
+Buffer = bytes | bytearray | memoryview
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def hash_threads() -> int:
+    """How many threads hash pieces: the cores this process may use, at most 16."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, _MAX_HASH_THREADS))
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """The process's pool of hashing threads, started on first use and shared by all hashers.
+
+    No task run on it ever waits on another, so sharing cannot deadlock.
+    """
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(hash_threads(), thread_name_prefix="store-digest")
+        return _pool
+
+
+def _piece_digest(piece: Buffer) -> bytes:
+    return hashlib.sha256(piece).digest()
+
+
+def _combine(piece_digests: list[bytes]) -> str:
+    return hashlib.sha256(b"".join(piece_digests)).hexdigest()
+
+
+def piecewise_sha256(data: Buffer) -> str:
+    """The store's digest of ``data`` (see the module docstring); pieces hashed in parallel."""
+    with PiecewiseSha256() as hasher:
+        hasher.update(data)
+        return hasher.hexdigest()
+
+
+class PiecewiseSha256:
+    """The store's digest of a stream of buffers, computed on the hashing pool as they arrive.
+
+    ``update`` cuts what it is given into pieces (whatever the buffers' sizes: a piece that spans
+    two buffers is copied, every other one is hashed in place), queues them and returns. The
+    caller must not change a buffer before ``hexdigest`` returns. With ``max_backlog``, ``update``
+    first waits while that many pieces are still queued, which bounds the memory a fast reader
+    can pile up. Use it as a context manager: leaving the block drops the queued pieces, also when
+    the caller failed midway, and waits for those being hashed (so no thread reads a buffer its
+    caller is done with).
+    """
+
+    def __init__(self, max_backlog: int | None = None):
+        self._pool = _hash_pool()
+        self._pieces: list[Future[bytes]] = []
+        self._queued: deque[Future[bytes]] = deque()
+        self._partial = bytearray()  # the start of a piece whose end has not arrived yet
+        self._max_backlog = max_backlog
+        self._digest: str | None = None
+
+    def __enter__(self) -> PiecewiseSha256:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for piece in self._queued:
+            piece.cancel()
+        futures.wait([piece for piece in self._queued if not piece.cancelled()])
+
+    def update(self, data: Buffer) -> None:
+        """Queue ``data``, the next bytes of the object."""
+        if self._digest is not None:
+            raise RuntimeError("update() after hexdigest(): the digest is final")
+        view = memoryview(data).cast("B")
+        if self._partial:
+            taken = view[: PIECE_BYTES - len(self._partial)]
+            self._partial += taken
+            view = view[len(taken) :]
+            if len(self._partial) < PIECE_BYTES:
+                return
+            self._queue(bytes(self._partial))
+            self._partial.clear()
+        whole = len(view) - len(view) % PIECE_BYTES
+        for start in range(0, whole, PIECE_BYTES):
+            self._queue(view[start : start + PIECE_BYTES])
+        self._partial += view[whole:]
+
+    def _queue(self, piece: Buffer) -> None:
+        if self._max_backlog is not None:
+            while len(self._queued) >= self._max_backlog:
+                self._queued.popleft().result()
+        future = self._pool.submit(_piece_digest, piece)
+        self._pieces.append(future)
+        self._queued.append(future)
+
+    def hexdigest(self) -> str:
+        """The digest of every byte given so far, once all pieces are hashed. Final."""
+        if self._digest is None:
+            if self._partial:
+                self._queue(bytes(self._partial))
+                self._partial.clear()
+            self._digest = _combine([piece.result() for piece in self._pieces])
+            self._queued.clear()
+        return self._digest
+
+
+def fill_hashing(dest: memoryview, read_at: Callable[[memoryview, int], int]) -> tuple[str, int]:
+    """Fill ``dest`` piece by piece and return (digest, bytes filled).
+
+    ``read_at(view, offset)`` reads the object's bytes from ``offset`` into ``view`` and returns
+    how many it read (``os.preadv`` does). Each piece is read and then hashed by the same pool
+    thread, while it is in that core's cache, so the reads run in parallel too. A short read
+    means the object is shorter than ``dest``: what was read is hashed, and the caller's check
+    of the digest fails.
+    """
+    view = memoryview(dest).cast("B")
+
+    def read_and_hash(start: int) -> tuple[bytes, int]:
+        piece = view[start : start + PIECE_BYTES]
+        filled = 0
+        while filled < len(piece):
+            count = read_at(piece[filled:], start + filled)
+            if not count:
+                break
+            filled += count
+        return _piece_digest(piece[:filled]), filled
+
+    starts = range(0, len(view), PIECE_BYTES)
+    pieces = [_hash_pool().submit(read_and_hash, start) for start in starts]
+    try:
+        results = [piece.result() for piece in pieces]
+    finally:  # on a failed read, stop the rest before the caller frees ``dest``
+        for piece in pieces:
+            piece.cancel()
+        futures.wait([piece for piece in pieces if not piece.cancelled()])
+    digests, total = [], 0
+    for digest, count in results:
+        if not count:
+            break  # the object ended with the previous piece
+        digests.append(digest)
+        total += count
+        if count < PIECE_BYTES:
+            break  # a short piece ends the object: what follows in ``dest`` was not hashed
+    return _combine(digests), total
+
+
+def file_digest(path: str | os.PathLike) -> tuple[str, int]:
+    """(digest, size) of a local file, read in chunks while the pool hashes the pieces."""
+    size = 0
+    # A backlog of two pieces per thread keeps every thread busy and bounds the memory.
+    with open(path, "rb") as file, PiecewiseSha256(max_backlog=2 * hash_threads()) as hasher:
+        while chunk := file.read(PIECE_BYTES):
+            hasher.update(chunk)
+            size += len(chunk)
+        return hasher.hexdigest(), size
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m infra.store_digest",
+        description="Print the artifact store's digest of local files (what ArtifactRef.sha256 "
+        "and MANIFEST.json entries hold), like sha256sum prints a plain sha256.",
+    )
+    parser.add_argument("files", nargs="+", metavar="FILE", help="files to hash")
+    args = parser.parse_args(argv)
+    for path in args.files:
+        try:
+            digest, _ = file_digest(path)
+        except OSError as exc:
+            parser.exit(1, f"{parser.prog}: cannot read {path}: {exc.strerror}\n")
+        print(f"{digest}  {path}")
+
+
+if __name__ == "__main__":
+    main()
