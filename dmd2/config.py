@@ -83,6 +83,10 @@ class TrainConfig:
     seed: int = option(0, "Seed of every random draw; the same seed replays the same run.")
     save_interval: int = option(0, "Checkpoint every this many rollouts; 0: only at the end.")
     eval_interval: int = option(0, "Evaluate every this many rollouts; 0: only at the end.")
+    keep_rollouts: int = option(
+        2, "Rollouts whose artifacts stay in the store (the newest); older ones are deleted as the run goes, "
+        "checkpoints never. Set it >= rollouts to keep them all."
+    )
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,9 @@ def _validate(config: DistillConfig) -> None:
     _check(train.world_size >= 1, f"[train] world_size must be >= 1, got {train.world_size}")
     _check(train.save_interval >= 0 and train.eval_interval >= 0,
            "[train] save_interval and eval_interval must be >= 0 (0: only at the end)")
+    _check(train.keep_rollouts >= 0,
+           f"[train] keep_rollouts must be >= 0 (0: delete each rollout's artifacts once it is done), "
+           f"got {train.keep_rollouts}")
     _check(train.rollout_batch_size % train.world_size == 0,
            f"[train] rollout_batch_size ({train.rollout_batch_size}) must split evenly over "
            f"world_size ({train.world_size}) ranks")

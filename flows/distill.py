@@ -126,6 +126,7 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
                          "or use a new run id")
     for rollout_id in range(start, total):
         tracker.log_metrics(rollout_id, train_metric_names(rollout_flow(run_id, rollout_id)))
+        store.prune(run_id, keep_last=train.keep_rollouts)  # the next rollout reads none of them
         done = rollout_id + 1
         if _due(done, train.save_interval, total):
             save_groups(groups, run_id, done)

@@ -63,6 +63,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Backend = LocalBackend | S3Backend
+# A write's staging untouched this long belongs to a writer that died (a live one keeps writing).
+STALE_STAGING_S = 3600.0
 
 
 def open_backend(root_uri: str, retry: RetryPolicy) -> Backend:
@@ -303,7 +305,10 @@ class ArtifactStore:
 
     def prune(self, run_id: str, keep_last: int) -> list[int]:
         """Delete the run's rollout folders except the ``keep_last`` newest; return the deleted
-        rollout numbers. Checkpoints, and anything else under the run, are never touched."""
+        rollout numbers. Checkpoints, and anything else under the run, are never touched, except
+        what killed writers left (hidden staging unchanged for ``STALE_STAGING_S``; on
+        ``file://`` only, where a checkpoint cut short by a preemption would otherwise keep its
+        partial copy forever)."""
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
             raise ValueError(f"keep_last must be an int >= 0, got {keep_last!r}")
         rollouts = self.list_rollouts(run_id)
@@ -312,6 +317,8 @@ class ArtifactStore:
             self._backend.delete_tree(store_keys.rollout_prefix(run_id, rollout))
         if doomed:
             logger.info("pruned %d rollouts of run %s (kept %d)", len(doomed), run_id, keep_last)
+        for path in self._backend.delete_stale_staging(run_id, STALE_STAGING_S):
+            logger.info("deleted %s, left by a writer that died", path)
         return doomed
 
     def _numbered_dirs(self, prefix: str, parse: Callable[[str], int | None]) -> list[int]:

@@ -4,6 +4,7 @@ names, and the walk of a folder to be stored. The digest itself is ``store_diges
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -55,6 +56,23 @@ def hidden_sibling(path: str, tag: str) -> str:
     """
     folder, name = os.path.split(path)
     return os.path.join(folder, f".{name}.{tag}-{uuid.uuid4().hex[:12]}")
+
+
+_STAGING_NAME = re.compile(r"\..+\.(tmp|partial)-[0-9a-f]{12}")
+
+
+def is_staging_name(name: str) -> bool:
+    """True for a name ``hidden_sibling`` makes (a write in progress, or one whose writer died)."""
+    return _STAGING_NAME.fullmatch(name) is not None
+
+
+def newest_mtime(path: str) -> float:
+    """The latest modification time of ``path`` and, for a folder, of everything below it."""
+    newest = os.lstat(path).st_mtime
+    for folder, dirnames, filenames in os.walk(path):
+        for name in [*dirnames, *filenames]:
+            newest = max(newest, os.lstat(os.path.join(folder, name)).st_mtime)
+    return newest
 
 
 def list_local_files(root: Path) -> list[tuple[str, Path]]:

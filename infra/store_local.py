@@ -12,13 +12,14 @@ import errno
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
 from typing import BinaryIO, TypeVar
 
 from infra import store_tensors
 from infra.store_faults import ArtifactExistsError
 from infra.store_digest import Buffer, PiecewiseSha256
-from infra.store_io import copy_hashing, hidden_sibling
+from infra.store_io import copy_hashing, hidden_sibling, is_staging_name, newest_mtime
 from infra.store_keys import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,26 @@ class LocalBackend:
             shutil.rmtree(self.path(key))
         except FileNotFoundError:
             pass
+
+    def delete_stale_staging(self, key: str, max_age_s: float) -> list[str]:
+        """Delete what killed writers left below ``key``: staging files and folders (hidden, see
+        ``hidden_sibling``) in which nothing changed for ``max_age_s`` seconds; return their
+        paths. A live writer keeps changing its staging, so it is never caught.
+        """
+        cutoff, removed = time.time() - max_age_s, []
+        for folder, dirnames, filenames in os.walk(self.path(key)):
+            staging = [name for name in [*dirnames, *filenames] if is_staging_name(name)]
+            dirnames[:] = [name for name in dirnames if not is_staging_name(name)]
+            for name in staging:
+                path = os.path.join(folder, name)
+                try:
+                    if newest_mtime(path) >= cutoff:
+                        continue
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+                except FileNotFoundError:
+                    continue  # its writer finished or cleaned up meanwhile
+                removed.append(path)
+        return removed
 
 
 class LocalDirWriter:

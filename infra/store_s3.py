@@ -225,6 +225,13 @@ class S3Backend:
         path = self._path(key)
         self._call("delete", key, lambda: self._delete_tree(path))
 
+    def delete_stale_staging(self, key: str, max_age_s: float) -> list[str]:
+        """Nothing to delete: S3 writes stage nothing under the store's keys. An interrupted
+        upload never becomes an object (its parts are the bucket's to expire: a lifecycle rule
+        that aborts incomplete multipart uploads), and an interrupted directory's files, invisible
+        without their manifest, are replaced when the same key is written again."""
+        return []
+
     def _delete_tree(self, path: str) -> None:
         try:
             self._fs.rm(path, recursive=True)

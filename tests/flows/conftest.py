@@ -29,6 +29,7 @@ rollout_batch_size = 8
 seed = 7
 save_interval = 1
 eval_interval = {eval_interval}
+keep_rollouts = 2
 [eval]
 num_samples = 50
 reference_steps = 4

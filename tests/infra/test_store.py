@@ -29,7 +29,9 @@ from infra.store import (
     StoreNotFoundError,
     StoreUnavailableError,
 )
+from infra.store import STALE_STAGING_S
 from infra.store_faults import Fault, call_with_retries, classify
+from infra.store_io import hidden_sibling
 from infra.store_tensors import DTYPE_NAMES
 from tests.infra.digest_reference import PIECE, reference_digest
 
@@ -590,6 +592,40 @@ def test_prune_keeps_last_rollouts_and_all_checkpoints(store_target, tmp_path):
     assert store.list_checkpoints(RUN) == [2, 4]
     with pytest.raises(ValueError):
         store.prune(RUN, keep_last=-1)
+
+
+def _age(path: Path, seconds: float) -> None:
+    """Set the modification time of ``path`` and everything below it ``seconds`` in the past."""
+    stamp = time.time() - seconds
+    for item in [path, *path.rglob("*")]:
+        os.utime(item, (stamp, stamp))
+
+
+def test_prune_deletes_what_killed_writers_left_and_nothing_live(tmp_path):
+    """A checkpoint cut short by a kill leaves a hidden staging folder; prune removes it once it
+    has not changed for an hour, and leaves a live writer's staging (something changed lately)."""
+    store = ArtifactStore(f"file://{tmp_path}")
+    done = store.put_dir(store.checkpoint_key(RUN, 2), make_source_dir(tmp_path / "c", {"w": 8}))
+    run_dir = tmp_path / RUN
+    dead_dir = Path(hidden_sibling(str(run_dir / "checkpoints" / "4"), "partial"))
+    (dead_dir / "sub").mkdir(parents=True)
+    (dead_dir / "sub" / "w.safetensors").write_bytes(bytes(1000))
+    dead_file = Path(hidden_sibling(str(run_dir / "eval" / "student.safetensors"), "tmp"))
+    dead_file.parent.mkdir()
+    dead_file.write_bytes(bytes(10))
+    live_dir = Path(hidden_sibling(str(run_dir / "checkpoints" / "6"), "partial"))
+    live_dir.mkdir()
+    (live_dir / "old.safetensors").write_bytes(bytes(10))
+    (live_dir / "new.safetensors").write_bytes(bytes(10))
+    for path in (dead_dir, dead_file, live_dir):
+        _age(path, STALE_STAGING_S + 60)
+    os.utime(live_dir / "new.safetensors")  # its writer is still at work
+
+    assert store.prune(RUN, keep_last=0) == []
+    assert not dead_dir.exists() and not dead_file.exists()
+    assert (live_dir / "new.safetensors").exists()
+    assert store.list_checkpoints(RUN) == [2] and store.checkpoint_ref(RUN, 2) == done
+    store.get_dir(done, tmp_path / "out")
 
 
 # -- S3 faults -----------------------------------------------------------------------------------
