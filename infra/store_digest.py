@@ -42,6 +42,7 @@ _MAX_HASH_THREADS = 16
 Buffer = bytes | bytearray | memoryview
 
 _pool: ThreadPoolExecutor | None = None
+_pool_pid = 0  # the process that started _pool: a forked child inherits the object, not its threads
 _pool_lock = threading.Lock()
 
 
@@ -56,10 +57,11 @@ def _hash_pool() -> ThreadPoolExecutor:
 
     No task run on it ever waits on another, so sharing cannot deadlock.
     """
-    global _pool
+    global _pool, _pool_pid
     with _pool_lock:
-        if _pool is None:
+        if _pool is None or _pool_pid != os.getpid():
             _pool = ThreadPoolExecutor(hash_threads(), thread_name_prefix="store-digest")
+            _pool_pid = os.getpid()
         return _pool
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import select
+import signal
 import subprocess
 import sys
 import threading
@@ -135,6 +137,31 @@ def test_hashers_on_many_threads_share_the_pool():
         thread.join()
     assert results == {i: reference_digest(d) for i, d in enumerate(data)}
     assert 1 <= hash_threads() <= 16
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_hashes_with_its_own_threads():
+    """A child forked after the pool started inherits the pool object but none of its threads;
+    it must start its own pool, not queue pieces that nothing will ever hash."""
+    data = os.urandom(3 * PIECE)
+    assert piecewise_sha256(data) == reference_digest(data)  # the parent's pool is running
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: hash, report, exit without running the parent's test teardown
+        try:
+            os.write(write_end, piecewise_sha256(data).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], 30)
+        if not ready:  # the child is stuck (pieces queued on threads it does not have)
+            os.kill(pid, signal.SIGKILL)
+        with os.fdopen(read_end, "rb") as pipe:
+            reported = pipe.read().decode() if ready else "nothing within 30 s"
+    finally:
+        os.waitpid(pid, 0)
+    assert reported == reference_digest(data)
 
 
 def test_file_digest_and_the_command_line(tmp_path):
