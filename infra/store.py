@@ -316,9 +316,9 @@ class ArtifactStore:
         for rollout in doomed:
             self._backend.delete_tree(store_keys.rollout_prefix(run_id, rollout))
         if doomed:
-            logger.info("pruned %d rollouts of run %s (kept %d)", len(doomed), run_id, keep_last)
+            logger.debug("pruned %d rollouts of run %s (kept %d)", len(doomed), run_id, keep_last)
         for path in self._backend.delete_stale_staging(run_id, STALE_STAGING_S):
-            logger.info("deleted %s, left by a writer that died", path)
+            logger.warning("deleted %s, left by a writer that died", path)
         return doomed
 
     def _numbered_dirs(self, prefix: str, parse: Callable[[str], int | None]) -> list[int]:
