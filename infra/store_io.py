@@ -33,6 +33,16 @@ def digest_while(data: Buffer, write: Callable[[], None]) -> str:
         return hasher.hexdigest()
 
 
+def write_hashing(buffers: list[Buffer], dst: Writable) -> str:
+    """Write ``buffers`` to ``dst``; return the digest of their concatenation, hashed meanwhile."""
+    with PiecewiseSha256() as hasher:
+        for buffer in buffers:
+            hasher.update(buffer)
+        for buffer in buffers:
+            dst.write(buffer)
+        return hasher.hexdigest()
+
+
 def copy_hashing(src: BinaryIO, dst: Writable) -> tuple[str, int]:
     """Copy ``src`` to ``dst`` in chunks; return (digest, byte count) of what was copied.
 

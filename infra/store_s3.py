@@ -33,7 +33,7 @@ from infra.store_faults import (
     classify,
     describe,
 )
-from infra.store_io import CHUNK_BYTES, copy_hashing, digest_while
+from infra.store_io import CHUNK_BYTES, copy_hashing, digest_while, write_hashing
 from infra.store_keys import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
@@ -141,9 +141,18 @@ class S3Backend:
         return digest_while(data, upload)
 
     def write_tensors(self, key: str, tensors: dict) -> tuple[str, int]:
-        """Store ``tensors`` as one safetensors object at ``key``; return (digest, size)."""
-        data = b"".join(store_tensors.serialize(tensors))  # one upload needs one buffer
-        return self.write_bytes(key, data), len(data)
+        """Store ``tensors`` as one safetensors object at ``key``; return (digest, size).
+
+        The file is streamed from the tensors' own memory (``store_tensors.serialize``) in
+        multipart blocks, hashed meanwhile: no serialised copy of a large export is ever made.
+        """
+        buffers = store_tensors.serialize(tensors)
+
+        def stream(upload: s3fs.core.S3File) -> str:
+            return write_hashing(buffers, upload)
+
+        digest = self._call("put", key, lambda: self._upload(self._path(key), stream))
+        return digest, sum(len(buffer) for buffer in buffers)
 
     def read_bytes(self, key: str) -> bytes:
         """The bytes of the object at ``key`` (``FileNotFoundError`` if absent)."""
@@ -164,14 +173,20 @@ class S3Backend:
 
     def write_file_from(self, key: str, local_path: str) -> tuple[str, int]:
         """Upload a local file, hashing it as it streams; return (digest, size) of what was sent."""
-        return self._call("put", key, lambda: self._upload_once(self._path(key), local_path))
 
-    def _upload_once(self, path: str, local_path: str) -> tuple[str, int]:
+        def copy(upload: s3fs.core.S3File) -> tuple[str, int]:
+            with open(local_path, "rb") as src:
+                return copy_hashing(src, upload)
+
+        return self._call("put", key, lambda: self._upload(self._path(key), copy))
+
+    def _upload(self, path: str, fill: Callable[[s3fs.core.S3File], T]) -> T:
+        """One attempt at writing the object at ``path`` through ``fill(upload)``, in multipart
+        blocks; the object appears when it is complete, or not at all."""
         upload = self._fs.open(path, "wb", block_size=_UPLOAD_BLOCK_BYTES)
         try:
-            with open(local_path, "rb") as src:
-                result = copy_hashing(src, upload)
-            upload.close()  # the object appears here, complete, or not at all
+            result = fill(upload)
+            upload.close()
         except BaseException:
             _discard(upload)
             raise

@@ -19,7 +19,9 @@ import pytest
 import safetensors.torch
 import torch
 
+from infra import store_s3
 from infra.store import (
+    STALE_STAGING_S,
     ArtifactExistsError,
     ArtifactRef,
     ArtifactStore,
@@ -29,10 +31,10 @@ from infra.store import (
     StoreNotFoundError,
     StoreUnavailableError,
 )
-from infra.store import STALE_STAGING_S
 from infra.store_faults import Fault, call_with_retries, classify
 from infra.store_io import hidden_sibling
 from infra.store_tensors import DTYPE_NAMES
+from tests.infra.conftest import BUCKET, s3_client
 from tests.infra.digest_reference import PIECE, reference_digest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -195,6 +197,22 @@ def test_disjoint_views_of_one_tensor_are_stored(tmp_path):
     store = ArtifactStore(f"file://{tmp_path}")
     tensors = {"a": _BASE[:3], "b": _BASE[3:], "empty": _BASE[3:3]}
     ref = store.put_tensors(store.rollout_key(RUN, 0, "actor", 0), tensors)
+    assert_bitwise_equal(tensors, store.get_tensors(ref))
+
+
+def test_tensors_past_the_block_size_stream_to_s3_in_parts(s3_target, monkeypatch):
+    """A large put_tensors is a multipart upload straight from the tensors' memory (S3 marks a
+    multipart object's ETag with '-<parts>'), and the object is the same file, same digest."""
+    monkeypatch.setattr(store_s3, "_UPLOAD_BLOCK_BYTES", 5 * 2**20)  # S3's smallest part
+    store = ArtifactStore(s3_target.root_uri)
+    tensors = {"big": torch.randn(3_000_000), "small": torch.arange(10)}  # ~12 MB
+    key = store.rollout_key(RUN, 0, "actor", 0)
+    ref = store.put_tensors(key, tensors)
+    stored = s3_client().get_object(Bucket=BUCKET, Key=f"{s3_target.prefix}/{key}")
+    data = stored["Body"].read()
+    assert "-" in stored["ETag"]
+    assert ref.nbytes == len(data) and ref.sha256 == reference_digest(data)
+    assert_bitwise_equal(tensors, safetensors.torch.load(data))
     assert_bitwise_equal(tensors, store.get_tensors(ref))
 
 
