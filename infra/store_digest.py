@@ -145,43 +145,46 @@ class PiecewiseSha256:
         return self._digest
 
 
-def fill_hashing(dest: memoryview, read_at: Callable[[memoryview, int], int]) -> tuple[str, int]:
-    """Fill ``dest`` piece by piece and return (digest, bytes filled).
+def fill_hashing(
+    dest: memoryview, read_at: Callable[[memoryview, int], int], span: int = PIECE_BYTES
+) -> tuple[str, int]:
+    """Fill ``dest`` span by span and return (digest, bytes filled).
 
     ``read_at(view, offset)`` reads the object's bytes from ``offset`` into ``view`` and returns
-    how many it read (``os.preadv`` does). Each piece is read and then hashed by the same pool
-    thread, while it is in that core's cache, so the reads run in parallel too. A short read
-    means the object is shorter than ``dest``: what was read is hashed, and the caller's check
-    of the digest fails.
+    how many it read (``os.preadv`` does). Spans (a multiple of the piece size: one piece for a
+    local file, so that it is hashed while in the reading core's cache; several for a network
+    read, to make fewer requests) are read in parallel on the pool, and each span's pieces are
+    hashed by the thread that read them. A short read means the object is shorter than ``dest``:
+    what was read is hashed, and the caller's check of the digest fails.
     """
+    if span <= 0 or span % PIECE_BYTES:
+        raise ValueError(f"span must be a positive multiple of {PIECE_BYTES}, got {span}")
     view = memoryview(dest).cast("B")
 
-    def read_and_hash(start: int) -> tuple[bytes, int]:
-        piece = view[start : start + PIECE_BYTES]
+    def read_and_hash(start: int) -> tuple[list[bytes], int]:
+        region = view[start : start + span]
         filled = 0
-        while filled < len(piece):
-            count = read_at(piece[filled:], start + filled)
+        while filled < len(region):
+            count = read_at(region[filled:], start + filled)
             if not count:
                 break
             filled += count
-        return _piece_digest(piece[:filled]), filled
+        pieces = range(0, filled, PIECE_BYTES)
+        return [_piece_digest(region[at : min(at + PIECE_BYTES, filled)]) for at in pieces], filled
 
-    starts = range(0, len(view), PIECE_BYTES)
-    pieces = [_hash_pool().submit(read_and_hash, start) for start in starts]
+    spans = [_hash_pool().submit(read_and_hash, start) for start in range(0, len(view), span)]
     try:
-        results = [piece.result() for piece in pieces]
+        results = [result.result() for result in spans]
     finally:  # on a failed read, stop the rest before the caller frees ``dest``
-        for piece in pieces:
-            piece.cancel()
-        futures.wait([piece for piece in pieces if not piece.cancelled()])
+        for result in spans:
+            result.cancel()
+        futures.wait([result for result in spans if not result.cancelled()])
     digests, total = [], 0
-    for digest, count in results:
-        if not count:
-            break  # the object ended with the previous piece
-        digests.append(digest)
-        total += count
-        if count < PIECE_BYTES:
-            break  # a short piece ends the object: what follows in ``dest`` was not hashed
+    for start, (span_digests, filled) in zip(range(0, len(view), span), results):
+        digests += span_digests
+        total += filled
+        if filled < min(span, len(view) - start):
+            break  # a short span ends the object: what follows in ``dest`` was not hashed
     return _combine(digests), total
 
 

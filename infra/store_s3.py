@@ -42,6 +42,9 @@ T = TypeVar("T")
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 # Multipart parts must be >= 5 MiB; larger blocks mean fewer requests for big checkpoint files.
 _UPLOAD_BLOCK_BYTES = 64 * 2**20
+# Each parallel ranged GET of a download: large enough that requests are few, small enough that
+# every hashing thread gets a share of a rollout's artifacts.
+_DOWNLOAD_SPAN_BYTES = 8 * 2**20
 
 
 def validate_bucket(bucket: str) -> str:
@@ -160,16 +163,25 @@ class S3Backend:
         return self._call("get", key, lambda: self._fs.cat_file(path))
 
     def load_tensors(self, key: str, uri: str, sha256: str, nbytes: int, device: str) -> dict:
-        """Download the safetensors object at ``key`` (one request) and return its tensors once
-        the digest matched (``store_tensors.read_verified``)."""
-        data = memoryview(self.read_bytes(key))
+        """Download the safetensors object at ``key`` and return its tensors once the digest
+        matched (``store_tensors.read_verified``).
 
-        def read_at(piece: memoryview, offset: int) -> int:
-            source = data[offset : offset + len(piece)]
-            piece[: len(source)] = source
-            return len(source)
+        Ranges of the object are fetched in parallel, straight into the tensors' buffer, and
+        hashed by the thread that fetched them: one stream is slow on S3, and no second copy of
+        the object is held.
+        """
+        path = self._path(key)
+        return self._call("get", key, lambda: self._load_once(path, uri, sha256, nbytes, device))
 
-        return store_tensors.read_verified(len(data), read_at, uri, sha256, nbytes, device)
+    def _load_once(self, path: str, uri: str, sha256: str, nbytes: int, device: str) -> dict:
+        def read_at(region: memoryview, offset: int) -> int:
+            data = self._fs.cat_file(path, start=offset, end=offset + len(region))
+            region[: len(data)] = data
+            return len(data)
+
+        size = self._fs.info(path)["size"]
+        span = _DOWNLOAD_SPAN_BYTES
+        return store_tensors.read_verified(size, read_at, uri, sha256, nbytes, device, span)
 
     def write_file_from(self, key: str, local_path: str) -> tuple[str, int]:
         """Upload a local file, hashing it as it streams; return (digest, size) of what was sent."""

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from infra.store_digest import Buffer, fill_hashing
+from infra.store_digest import PIECE_BYTES, Buffer, fill_hashing
 from infra.store_faults import check_sha256
 
 # safetensors' names of the dtypes the store writes; its loader knows every one of them.
@@ -93,16 +93,17 @@ def read_verified(
     sha256: str,
     nbytes: int,
     device: str,
+    span: int = PIECE_BYTES,
 ) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors object of ``size`` bytes, once its digest matched ``sha256``.
 
-    ``read_at(view, offset)`` reads the object's bytes from ``offset`` into ``view`` and returns
-    the count (``store_digest.fill_hashing``). Raises ``IntegrityError`` if the bytes do not match
-    (``nbytes`` only words the message), and ``ValueError`` if verified bytes are not a
-    safetensors file.
+    ``read_at(view, offset)`` reads the object's bytes from ``offset`` into ``view`` (``span``
+    bytes at most) and returns the count; spans are read in parallel (``store_digest.fill_hashing``).
+    Raises ``IntegrityError`` if the bytes do not match (``nbytes`` only words the message), and
+    ``ValueError`` if verified bytes are not a safetensors file.
     """
     data = np.empty(size, dtype=np.uint8)  # not zero-filled: the read writes every byte
-    digest, filled = fill_hashing(memoryview(data), read_at)
+    digest, filled = fill_hashing(memoryview(data), read_at, span)
     detail = "" if filled == nbytes else f"expected {nbytes} bytes, found {filled}"
     check_sha256(uri, sha256, digest, detail)
     tensors = _tensors_in(data[:filled], uri)

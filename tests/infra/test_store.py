@@ -200,10 +200,12 @@ def test_disjoint_views_of_one_tensor_are_stored(tmp_path):
     assert_bitwise_equal(tensors, store.get_tensors(ref))
 
 
-def test_tensors_past_the_block_size_stream_to_s3_in_parts(s3_target, monkeypatch):
+def test_large_tensors_stream_to_and_from_s3_in_parts(s3_target, monkeypatch):
     """A large put_tensors is a multipart upload straight from the tensors' memory (S3 marks a
-    multipart object's ETag with '-<parts>'), and the object is the same file, same digest."""
+    multipart object's ETag with '-<parts>'), and the object is the same file, same digest; its
+    get is parallel ranged GETs, and a flipped byte in any range is caught."""
     monkeypatch.setattr(store_s3, "_UPLOAD_BLOCK_BYTES", 5 * 2**20)  # S3's smallest part
+    monkeypatch.setattr(store_s3, "_DOWNLOAD_SPAN_BYTES", 2 * PIECE)  # the get: six ranged GETs
     store = ArtifactStore(s3_target.root_uri)
     tensors = {"big": torch.randn(3_000_000), "small": torch.arange(10)}  # ~12 MB
     key = store.rollout_key(RUN, 0, "actor", 0)
@@ -214,6 +216,9 @@ def test_tensors_past_the_block_size_stream_to_s3_in_parts(s3_target, monkeypatc
     assert ref.nbytes == len(data) and ref.sha256 == reference_digest(data)
     assert_bitwise_equal(tensors, safetensors.torch.load(data))
     assert_bitwise_equal(tensors, store.get_tensors(ref))
+    s3_target.flip_byte(key, 5 * PIECE + 3)  # in the third range
+    with pytest.raises(IntegrityError):
+        store.get_tensors(ref)
 
 
 def test_files_of_safetensors_own_writer_are_read(tmp_path):

@@ -94,11 +94,30 @@ def test_fill_hashing_reads_every_byte_and_hashes_it(size):
     assert dest.tobytes() == data
 
 
+@pytest.mark.parametrize("size", [0, 1, 3 * PIECE - 1, 3 * PIECE, 7 * PIECE + 5])
+def test_fill_hashing_in_spans_of_several_pieces(size):
+    """A network read fetches several pieces per request; the digest is still per piece."""
+    data = os.urandom(size)
+    calls = []
+
+    def read_at(region: memoryview, offset: int) -> int:
+        calls.append((offset, len(region)))
+        return _pread_from(data)(region, offset)
+
+    dest = memoryview(bytearray(size))
+    assert fill_hashing(dest, read_at, span=3 * PIECE) == (reference_digest(data), size)
+    assert dest.tobytes() == data
+    assert sorted(calls) == [(at, min(3 * PIECE, size - at)) for at in range(0, size, 3 * PIECE)]
+    with pytest.raises(ValueError, match="multiple"):
+        fill_hashing(dest, read_at, span=PIECE + 1)
+
+
 def test_fill_hashing_of_a_shorter_object_hashes_what_is_there():
     """A file that shrank after its size was taken: the digest is that of the shorter bytes."""
     data = os.urandom(2 * PIECE + 10)
-    dest = memoryview(bytearray(3 * PIECE))
+    dest = memoryview(bytearray(5 * PIECE))
     assert fill_hashing(dest, _pread_from(data)) == (reference_digest(data), len(data))
+    assert fill_hashing(dest, _pread_from(data), span=2 * PIECE) == (reference_digest(data), len(data))
 
 
 def test_fill_hashing_reads_the_rest_of_a_piece_after_a_short_read():
