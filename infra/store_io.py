@@ -1,8 +1,10 @@
-"""Local-file helpers shared by the store's parts: copies hashed while the bytes move, staging
-names, and the walk of a folder to be stored. The digest itself is ``store_digest``'s."""
+"""Local-file helpers shared by the store's parts: copies hashed while the bytes move (in
+parallel spans where the source allows positional reads), staging names, and the walk of a folder
+to be stored. The digest itself is ``store_digest``'s."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import uuid
@@ -10,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from infra.store_digest import PIECE_BYTES, Buffer, PiecewiseSha256, hash_threads
+from infra.store_digest import PIECE_BYTES, Buffer, PiecewiseSha256, fill_hashing, hash_threads
 from infra.store_keys import MANIFEST_NAME, validate_key
 
 CHUNK_BYTES = 8 * PIECE_BYTES
@@ -41,6 +43,54 @@ def write_hashing(buffers: list[Buffer], dst: Writable) -> str:
         for buffer in buffers:
             dst.write(buffer)
         return hasher.hexdigest()
+
+
+def pread_from(file: BinaryIO) -> Callable[[memoryview, int], int]:
+    """A ``read_at`` for ``fill_hashing``: positional reads of an open local file (thread-safe)."""
+    fd = file.fileno()
+    return lambda region, offset: os.preadv(fd, [region], offset)
+
+
+def fill_file_hashing(
+    out: BinaryIO, size: int, read_at: Callable[[memoryview, int], int], span: int = PIECE_BYTES
+) -> tuple[str, int]:
+    """Make the empty file ``out`` (open for reading and writing) hold an object of ``size``
+    bytes, read span by span in parallel straight into a mapping of the file and hashed by the
+    threads that read them (``fill_hashing``); return (digest, bytes read). If the object turns
+    out shorter, the file's tail stays zero and the caller's check of the digest fails.
+    """
+    if size == 0:
+        return fill_hashing(memoryview(bytearray()), read_at, span)
+    out.truncate(size)
+    try:
+        mapped = mmap.mmap(out.fileno(), size)
+    except OSError:  # a filesystem that cannot map files (some FUSE mounts): copy in order
+        return _copy_in_order(out, size, read_at, span)
+    try:
+        return fill_hashing(memoryview(mapped), read_at, span)
+    finally:
+        try:
+            mapped.close()
+        except BufferError:  # a failed read's traceback still holds a view; unmapped when freed
+            pass
+
+
+def _copy_in_order(
+    out: BinaryIO, size: int, read_at: Callable[[memoryview, int], int], span: int
+) -> tuple[str, int]:
+    """``fill_file_hashing`` without a mapping: spans read one after another, written in order,
+    their pieces hashed on the pool meanwhile."""
+    total = 0
+    with PiecewiseSha256(max_backlog=2 * hash_threads()) as hasher:
+        while total < size:
+            region = memoryview(bytearray(min(span, size - total)))  # fresh: queued pieces view it
+            count = read_at(region, total)
+            if not count:
+                break
+            hasher.update(region[:count])
+            out.write(region[:count])
+            total += count
+        return hasher.hexdigest(), total
 
 
 def copy_hashing(src: BinaryIO, dst: Writable) -> tuple[str, int]:

@@ -19,7 +19,7 @@ from typing import BinaryIO, TypeVar
 from infra import store_tensors
 from infra.store_faults import ArtifactExistsError
 from infra.store_digest import Buffer, PiecewiseSha256
-from infra.store_io import copy_hashing, hidden_sibling, is_staging_name, newest_mtime
+from infra.store_io import fill_file_hashing, hidden_sibling, is_staging_name, newest_mtime, pread_from
 from infra.store_keys import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
@@ -37,11 +37,19 @@ def _fsync_dir(folder: str) -> None:
 
 def _write_durably(path: str, fill: Callable[[BinaryIO], T]) -> T:
     """Create ``path`` (must not be visible to readers yet), let ``fill(file)`` write it, fsync."""
-    with open(path, "xb") as file:
+    with open(path, "xb+") as file:  # readable too: a parallel copy maps the file
         result = fill(file)
         file.flush()
         os.fsync(file.fileno())
     return result
+
+
+def _copy_file(src_path: str, dest: str) -> tuple[str, int]:
+    """Copy ``src_path`` to the new file ``dest`` durably, in parallel spans, hashed meanwhile;
+    return (digest, size) of what was copied."""
+    with open(src_path, "rb") as src:
+        size = os.fstat(src.fileno()).st_size
+        return _write_durably(dest, lambda out: fill_file_hashing(out, size, pread_from(src)))
 
 
 class LocalBackend:
@@ -106,16 +114,12 @@ class LocalBackend:
         hashed as it is read, and return its tensors once the digest matched
         (``store_tensors.read_verified``)."""
         with open(self.path(key), "rb") as file:
-            fd = file.fileno()
-            size = os.fstat(fd).st_size
-            return store_tensors.read_verified(
-                size, lambda piece, offset: os.preadv(fd, [piece], offset), uri, sha256, nbytes, device
-            )
+            size = os.fstat(file.fileno()).st_size
+            return store_tensors.read_verified(size, pread_from(file), uri, sha256, nbytes, device)
 
     def read_file_to(self, key: str, dest: str) -> tuple[str, int]:
         """Copy the object at ``key`` to the new local file ``dest``; return (digest, size)."""
-        with open(self.path(key), "rb") as src:
-            return _write_durably(dest, lambda out: copy_hashing(src, out))
+        return _copy_file(self.path(key), dest)
 
     def begin_dir(self, key: str) -> LocalDirWriter:
         """Start writing a directory artifact at ``key`` (see ``LocalDirWriter``)."""
@@ -177,8 +181,7 @@ class LocalDirWriter:
         """Copy one local file into the staging folder; return (digest, size) of what was read."""
         dest = os.path.join(self.staging_dir, *rel_path.split("/"))
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        with open(local_path, "rb") as src:
-            return _write_durably(dest, lambda out: copy_hashing(src, out))
+        return _copy_file(local_path, dest)
 
     def commit(self, manifest: bytes) -> None:
         """Write the manifest, then make the directory visible by renaming the staging folder."""

@@ -33,7 +33,7 @@ from infra.store_faults import (
     classify,
     describe,
 )
-from infra.store_io import CHUNK_BYTES, copy_hashing, digest_while, write_hashing
+from infra.store_io import copy_hashing, digest_while, fill_file_hashing, write_hashing
 from infra.store_keys import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
@@ -174,14 +174,19 @@ class S3Backend:
         return self._call("get", key, lambda: self._load_once(path, uri, sha256, nbytes, device))
 
     def _load_once(self, path: str, uri: str, sha256: str, nbytes: int, device: str) -> dict:
+        size, read_at = self._ranged_reader(path)
+        span = _DOWNLOAD_SPAN_BYTES
+        return store_tensors.read_verified(size, read_at, uri, sha256, nbytes, device, span)
+
+    def _ranged_reader(self, path: str) -> tuple[int, Callable[[memoryview, int], int]]:
+        """The object's size, and a ``read_at`` that fetches a range of it with one GET."""
+
         def read_at(region: memoryview, offset: int) -> int:
             data = self._fs.cat_file(path, start=offset, end=offset + len(region))
             region[: len(data)] = data
             return len(data)
 
-        size = self._fs.info(path)["size"]
-        span = _DOWNLOAD_SPAN_BYTES
-        return store_tensors.read_verified(size, read_at, uri, sha256, nbytes, device, span)
+        return self._fs.info(path)["size"], read_at
 
     def write_file_from(self, key: str, local_path: str) -> tuple[str, int]:
         """Upload a local file, hashing it as it streams; return (digest, size) of what was sent."""
@@ -205,14 +210,15 @@ class S3Backend:
         return result
 
     def read_file_to(self, key: str, dest: str) -> tuple[str, int]:
-        """Download the object at ``key`` into the local file ``dest``; return (digest, size)."""
+        """Download the object at ``key`` into the local file ``dest`` in parallel ranged GETs,
+        hashed meanwhile; return (digest, size)."""
         return self._call("get", key, lambda: self._download_once(self._path(key), dest))
 
     def _download_once(self, path: str, dest: str) -> tuple[str, int]:
-        # "wb" (not "xb"): a retried attempt starts the file over.
-        with self._fs.open(path, "rb", block_size=CHUNK_BYTES, cache_type="none") as src:
-            with open(dest, "wb") as out:
-                return copy_hashing(src, out)
+        size, read_at = self._ranged_reader(path)
+        # "wb+" (not "xb"): a retried attempt starts the file over; readable, to be mapped.
+        with open(dest, "wb+") as out:
+            return fill_file_hashing(out, size, read_at, _DOWNLOAD_SPAN_BYTES)
 
     def begin_dir(self, key: str) -> S3DirWriter:
         """Start writing a directory artifact at ``key`` (see ``S3DirWriter``)."""

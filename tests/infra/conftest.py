@@ -126,20 +126,22 @@ class StoreTarget:
         keys = [obj["Key"] for page in pages for obj in page.get("Contents", [])]
         return sorted(key[len(self.prefix) + 1 :] for key in keys)
 
+    def read_raw(self, key: str) -> bytes:
+        """The stored bytes of ``key``, read behind the store's back."""
+        if self.local_root is not None:
+            return (self.local_root / key).read_bytes()
+        return s3_client().get_object(Bucket=BUCKET, Key=f"{self.prefix}/{key}")["Body"].read()
+
     def flip_byte(self, key: str, offset: int) -> None:
         """Corrupt one stored byte in place, as bit rot or a bad disk would."""
-        if self.local_root is not None:
-            with open(self.local_root / key, "r+b") as file:
-                file.seek(offset)
-                byte = file.read(1)
-                file.seek(offset)
-                file.write(bytes([byte[0] ^ 0x01]))
-            return
-        client = s3_client()
-        name = f"{self.prefix}/{key}"
-        data = bytearray(client.get_object(Bucket=BUCKET, Key=name)["Body"].read())
+        data = bytearray(self.read_raw(key))
         data[offset] ^= 0x01
-        client.put_object(Bucket=BUCKET, Key=name, Body=bytes(data))
+        if self.local_root is not None:
+            with open(self.local_root / key, "r+b") as file:  # in place, as a bad disk does
+                file.seek(offset)
+                file.write(data[offset : offset + 1])
+            return
+        s3_client().put_object(Bucket=BUCKET, Key=f"{self.prefix}/{key}", Body=bytes(data))
 
 
 @pytest.fixture(params=["file", "s3"])
