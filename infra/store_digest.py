@@ -19,8 +19,9 @@ Three ways to compute it, one per way the bytes arrive:
 - ``piecewise_sha256(buffer)``: bytes already in memory;
 - ``PiecewiseSha256``: bytes that arrive as a stream (a write, an upload, a download); pieces are
   hashed on the pool while the caller moves the next bytes;
-- ``fill_hashing(dest, read_at)``: bytes read into a buffer at known offsets (a local file);
-  each pool thread reads a piece and hashes it at once, while it is still in that core's cache.
+- ``hash_spans(size, read_span)``: bytes read at known offsets (a local file, ranges of an S3
+  object), into a buffer (``fill_hashing``) or a file; each pool thread reads a span and hashes
+  it at once, while it is still in that core's cache.
 """
 
 from __future__ import annotations
@@ -145,47 +146,67 @@ class PiecewiseSha256:
         return self._digest
 
 
-def fill_hashing(
-    dest: memoryview, read_at: Callable[[memoryview, int], int], span: int = PIECE_BYTES
-) -> tuple[str, int]:
-    """Fill ``dest`` span by span and return (digest, bytes filled).
+ReadAt = Callable[[memoryview, int], int]
 
-    ``read_at(view, offset)`` reads the object's bytes from ``offset`` into ``view`` and returns
-    how many it read (``os.preadv`` does). Spans (a multiple of the piece size: one piece for a
-    local file, so that it is hashed while in the reading core's cache; several for a network
-    read, to make fewer requests) are read in parallel on the pool, and each span's pieces are
-    hashed by the thread that read them. A short read means the object is shorter than ``dest``:
-    what was read is hashed, and the caller's check of the digest fails.
+
+def read_fully(read_at: ReadAt, region: memoryview, offset: int) -> int:
+    """Fill ``region`` with the object's bytes from ``offset`` through ``read_at(view, offset)``
+    (which may read fewer bytes than asked, as ``os.preadv`` and network reads do); return the
+    count, short only where the object ends."""
+    filled = 0
+    while filled < len(region):
+        count = read_at(region[filled:], offset + filled)
+        if not count:
+            break
+        filled += count
+    return filled
+
+
+def hash_spans(size: int, read_span: Callable[[int, int], Buffer], span: int) -> tuple[str, int]:
+    """The digest of an object of ``size`` bytes, read in spans in parallel; (digest, bytes read).
+
+    ``read_span(start, length)`` brings in the object's bytes ``[start, start + length)`` (where
+    it likes: the caller's buffer, a file) and returns them, fewer only where the object ends.
+    Spans (a multiple of the piece size: one piece for a local file, so that it is hashed while in
+    the reading core's cache; several for a network read, to make fewer requests) run in parallel
+    on the pool, and each span's pieces are hashed by the thread that read them. A short span
+    ends the object: what was read is hashed, and the caller's check of the digest fails.
     """
     if span <= 0 or span % PIECE_BYTES:
         raise ValueError(f"span must be a positive multiple of {PIECE_BYTES}, got {span}")
-    view = memoryview(dest).cast("B")
+    starts = range(0, size, span)
 
     def read_and_hash(start: int) -> tuple[list[bytes], int]:
-        region = view[start : start + span]
-        filled = 0
-        while filled < len(region):
-            count = read_at(region[filled:], start + filled)
-            if not count:
-                break
-            filled += count
-        pieces = range(0, filled, PIECE_BYTES)
-        return [_piece_digest(region[at : min(at + PIECE_BYTES, filled)]) for at in pieces], filled
+        data = memoryview(read_span(start, min(span, size - start))).cast("B")
+        pieces = range(0, len(data), PIECE_BYTES)
+        return [_piece_digest(data[at : at + PIECE_BYTES]) for at in pieces], len(data)
 
-    spans = [_hash_pool().submit(read_and_hash, start) for start in range(0, len(view), span)]
+    spans = [_hash_pool().submit(read_and_hash, start) for start in starts]
     try:
         results = [result.result() for result in spans]
-    finally:  # on a failed read, stop the rest before the caller frees ``dest``
+    finally:  # on a failed read, stop the rest before the caller frees its buffers
         for result in spans:
             result.cancel()
         futures.wait([result for result in spans if not result.cancelled()])
     digests, total = [], 0
-    for start, (span_digests, filled) in zip(range(0, len(view), span), results):
+    for start, (span_digests, count) in zip(starts, results):
         digests += span_digests
-        total += filled
-        if filled < min(span, len(view) - start):
-            break  # a short span ends the object: what follows in ``dest`` was not hashed
+        total += count
+        if count < min(span, size - start):
+            break
     return _combine(digests), total
+
+
+def fill_hashing(dest: memoryview, read_at: ReadAt, span: int = PIECE_BYTES) -> tuple[str, int]:
+    """Fill ``dest`` with an object through ``read_at(view, offset)`` (``os.preadv`` is one),
+    spans in parallel (``hash_spans``); return (digest, bytes filled)."""
+    view = memoryview(dest).cast("B")
+
+    def read_span(start: int, length: int) -> memoryview:
+        region = view[start : start + length]
+        return region[: read_fully(read_at, region, start)]
+
+    return hash_spans(len(view), read_span, span)
 
 
 def file_digest(path: str | os.PathLike) -> tuple[str, int]:

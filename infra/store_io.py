@@ -4,15 +4,23 @@ to be stored. The digest itself is ``store_digest``'s."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from infra.store_digest import PIECE_BYTES, Buffer, PiecewiseSha256, fill_hashing, hash_threads
+from infra.store_digest import (
+    PIECE_BYTES,
+    Buffer,
+    PiecewiseSha256,
+    ReadAt,
+    hash_spans,
+    hash_threads,
+    read_fully,
+)
 from infra.store_keys import MANIFEST_NAME, validate_key
 
 CHUNK_BYTES = 8 * PIECE_BYTES
@@ -45,52 +53,42 @@ def write_hashing(buffers: list[Buffer], dst: Writable) -> str:
         return hasher.hexdigest()
 
 
-def pread_from(file: BinaryIO) -> Callable[[memoryview, int], int]:
-    """A ``read_at`` for ``fill_hashing``: positional reads of an open local file (thread-safe)."""
+def pread_from(file: BinaryIO) -> ReadAt:
+    """A ``read_at``: positional reads of an open local file (thread-safe)."""
     fd = file.fileno()
     return lambda region, offset: os.preadv(fd, [region], offset)
 
 
-def fill_file_hashing(
-    out: BinaryIO, size: int, read_at: Callable[[memoryview, int], int], span: int = PIECE_BYTES
+def copy_to_file_hashing(
+    out: BinaryIO, size: int, read_at: ReadAt, span: int = PIECE_BYTES
 ) -> tuple[str, int]:
-    """Make the empty file ``out`` (open for reading and writing) hold an object of ``size``
-    bytes, read span by span in parallel straight into a mapping of the file and hashed by the
-    threads that read them (``fill_hashing``); return (digest, bytes read). If the object turns
-    out shorter, the file's tail stays zero and the caller's check of the digest fails.
+    """Write an object of ``size`` bytes, read through ``read_at(view, offset)``, into the empty
+    file ``out``: spans in parallel, each read into its thread's scratch buffer, hashed and
+    written at its offset by that thread (``hash_spans``). Returns (digest, bytes copied); an
+    object that turns out shorter leaves the file short too, and the caller's digest check fails.
     """
-    if size == 0:
-        return fill_hashing(memoryview(bytearray()), read_at, span)
-    out.truncate(size)
-    try:
-        mapped = mmap.mmap(out.fileno(), size)
-    except OSError:  # a filesystem that cannot map files (some FUSE mounts): copy in order
-        return _copy_in_order(out, size, read_at, span)
-    try:
-        return fill_hashing(memoryview(mapped), read_at, span)
-    finally:
-        try:
-            mapped.close()
-        except BufferError:  # a failed read's traceback still holds a view; unmapped when freed
-            pass
+    fd = out.fileno()
+
+    def read_span(start: int, length: int) -> memoryview:
+        scratch = _scratch(span)[:length]
+        data = scratch[: read_fully(read_at, scratch, start)]
+        written = 0
+        while written < len(data):
+            written += os.pwrite(fd, data[written:], start + written)
+        return data
+
+    return hash_spans(size, read_span, span)
 
 
-def _copy_in_order(
-    out: BinaryIO, size: int, read_at: Callable[[memoryview, int], int], span: int
-) -> tuple[str, int]:
-    """``fill_file_hashing`` without a mapping: spans read one after another, written in order,
-    their pieces hashed on the pool meanwhile."""
-    total = 0
-    with PiecewiseSha256(max_backlog=2 * hash_threads()) as hasher:
-        while total < size:
-            region = memoryview(bytearray(min(span, size - total)))  # fresh: queued pieces view it
-            count = read_at(region, total)
-            if not count:
-                break
-            hasher.update(region[:count])
-            out.write(region[:count])
-            total += count
-        return hasher.hexdigest(), total
+_thread_scratch = threading.local()
+
+
+def _scratch(size: int) -> memoryview:
+    """This thread's reusable buffer of at least ``size`` bytes (each pool thread has its own)."""
+    buffer = getattr(_thread_scratch, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _thread_scratch.buffer = memoryview(bytearray(size))
+    return buffer
 
 
 def copy_hashing(src: BinaryIO, dst: Writable) -> tuple[str, int]:

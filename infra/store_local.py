@@ -19,7 +19,13 @@ from typing import BinaryIO, TypeVar
 from infra import store_tensors
 from infra.store_faults import ArtifactExistsError
 from infra.store_digest import Buffer, PiecewiseSha256
-from infra.store_io import fill_file_hashing, hidden_sibling, is_staging_name, newest_mtime, pread_from
+from infra.store_io import (
+    copy_to_file_hashing,
+    hidden_sibling,
+    is_staging_name,
+    newest_mtime,
+    pread_from,
+)
 from infra.store_keys import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
@@ -37,7 +43,7 @@ def _fsync_dir(folder: str) -> None:
 
 def _write_durably(path: str, fill: Callable[[BinaryIO], T]) -> T:
     """Create ``path`` (must not be visible to readers yet), let ``fill(file)`` write it, fsync."""
-    with open(path, "xb+") as file:  # readable too: a parallel copy maps the file
+    with open(path, "xb") as file:
         result = fill(file)
         file.flush()
         os.fsync(file.fileno())
@@ -49,7 +55,7 @@ def _copy_file(src_path: str, dest: str) -> tuple[str, int]:
     return (digest, size) of what was copied."""
     with open(src_path, "rb") as src:
         size = os.fstat(src.fileno()).st_size
-        return _write_durably(dest, lambda out: fill_file_hashing(out, size, pread_from(src)))
+        return _write_durably(dest, lambda out: copy_to_file_hashing(out, size, pread_from(src)))
 
 
 class LocalBackend:

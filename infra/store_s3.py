@@ -33,7 +33,7 @@ from infra.store_faults import (
     classify,
     describe,
 )
-from infra.store_io import copy_hashing, digest_while, fill_file_hashing, write_hashing
+from infra.store_io import copy_hashing, digest_while, copy_to_file_hashing, write_hashing
 from infra.store_keys import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
@@ -216,9 +216,8 @@ class S3Backend:
 
     def _download_once(self, path: str, dest: str) -> tuple[str, int]:
         size, read_at = self._ranged_reader(path)
-        # "wb+" (not "xb"): a retried attempt starts the file over; readable, to be mapped.
-        with open(dest, "wb+") as out:
-            return fill_file_hashing(out, size, read_at, _DOWNLOAD_SPAN_BYTES)
+        with open(dest, "wb") as out:  # "wb" (not "xb"): a retried attempt starts the file over
+            return copy_to_file_hashing(out, size, read_at, _DOWNLOAD_SPAN_BYTES)
 
     def begin_dir(self, key: str) -> S3DirWriter:
         """Start writing a directory artifact at ``key`` (see ``S3DirWriter``)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from infra import store_io, store_s3
+from infra import store_s3
 from infra.store import (
     STALE_STAGING_S,
     ArtifactExistsError,
@@ -518,20 +517,6 @@ def test_directory_files_of_every_size_copy_in_parallel_spans(store_target, tmp_
     with pytest.raises(IntegrityError, match="weights.bin"):
         store.get_dir(ref, tmp_path / "again")
     assert not (tmp_path / "again").exists()
-
-
-def test_directories_copy_where_files_cannot_be_mapped(store_target, tmp_path, monkeypatch):
-    """Some filesystems (FUSE mounts) refuse mmap; the parallel copy then copies in order."""
-
-    def refuse(*args, **kwargs):
-        raise OSError(errno.ENODEV, "mmap not supported")
-
-    monkeypatch.setattr(store_io.mmap, "mmap", refuse)
-    monkeypatch.setattr(store_s3, "_DOWNLOAD_SPAN_BYTES", 2 * PIECE)
-    store = ArtifactStore(store_target.root_uri)
-    source = make_source_dir(tmp_path / "src", {"empty": 0, "w.bin": 5 * PIECE + 3})
-    ref = store.put_dir(store.checkpoint_key(RUN, 3), source)
-    assert tree_bytes(store.get_dir(ref, tmp_path / "out")) == tree_bytes(source)
 
 
 def test_flipped_byte_in_directory_is_detected(store_target, tmp_path):
