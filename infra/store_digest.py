@@ -17,7 +17,7 @@ does not compute it; this module does:
 Three ways to compute it, one per way the bytes arrive:
 
 - ``piecewise_sha256(buffer)``: bytes already in memory;
-- ``PiecewiseSha256``: bytes that arrive as a stream (a write, an upload, a download); pieces are
+- ``PiecewiseSha256``: bytes that arrive as a stream (a write, an upload); pieces are
   hashed on the pool while the caller moves the next bytes;
 - ``hash_spans(size, read_span)``: bytes read at known offsets (a local file, ranges of an S3
   object), into a buffer (``fill_hashing``) or a file; each pool thread reads a span and hashes
