@@ -16,11 +16,8 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install --quiet -c requirements.lock -e '.[test]'
 	touch $(STAMP)
 
-# Prefect logs every task run at INFO; the run prints its own progress, so keep Prefect to warnings.
-# The local server's telemetry heartbeat only contends for its sqlite file on a machine this small.
+# The CLI keeps Prefect's local server quiet (warnings only, no telemetry) unless the environment says otherwise.
 run: $(STAMP)
-	PREFECT_LOGGING_LEVEL=$${PREFECT_LOGGING_LEVEL:-WARNING} \
-	PREFECT_SERVER_ANALYTICS_ENABLED=$${PREFECT_SERVER_ANALYTICS_ENABLED:-false} \
 	$(PY) -m flows.cli run
 
 test: $(STAMP)

@@ -39,7 +39,7 @@ import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
 from infra.store import ArtifactStore  # noqa: E402
-from infra.store_digest import hash_threads, piecewise_sha256  # noqa: E402
+from infra.store.digest import hash_threads, piecewise_sha256  # noqa: E402
 
 MB = 2**20
 

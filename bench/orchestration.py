@@ -19,16 +19,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: m
 
 from mlflow import MlflowClient  # noqa: E402
 
-from dmd2.config import load_recipe  # noqa: E402
-from dmd2.digits.yardstick import DIGIT_CONDS  # noqa: E402
+from dmd2.family import default_cache_dir  # noqa: E402
 from dmd2.loop import InProcessDistiller  # noqa: E402
-from flows.cli_common import DEFAULT_CACHE, RECIPES  # noqa: E402
-from flows.distill import distill, resolve_models  # noqa: E402
-from infra.models import load_model  # noqa: E402
+from flows.distill import distill  # noqa: E402
+from flows.recipe import RECIPES, run_config  # noqa: E402
 
 
-def in_process_seconds(config, rollouts: int) -> float:
-    distiller = InProcessDistiller.from_models(config, load_model(config.model.teacher), DIGIT_CONDS, (1, 8, 8))
+def in_process_seconds(recipe: Path, rollouts: int, cache_dir: Path) -> float:
+    config, family = run_config(recipe, rollouts=rollouts)
+    config = family.resolve(config, cache_dir)
+    spec = family.run_spec(config, cache_dir)
+    distiller = InProcessDistiller.from_models(config, family.load_model(config.model.teacher), spec.conds,
+                                               spec.sample_shape)
     stamps = []
     distiller.run(range(rollouts), lambda rollout, metrics: stamps.append(time.monotonic()))
     return (stamps[-1] - stamps[0]) / (rollouts - 1)
@@ -51,10 +53,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", type=Path, default=RECIPES / "digits-4step.toml")
     parser.add_argument("--rollouts", type=int, default=30)
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     args = parser.parse_args()
-    config = resolve_models(load_recipe(args.recipe, {"train": {"rollouts": args.rollouts}}), args.cache_dir)
-    baseline = in_process_seconds(config, args.rollouts)
+    baseline = in_process_seconds(args.recipe, args.rollouts, args.cache_dir)
     with tempfile.TemporaryDirectory() as workdir:
         flow, tasks = flow_seconds(args.recipe, args.rollouts, Path(workdir), args.cache_dir)
     print(f"recipe {args.recipe.name}, {args.rollouts} rollouts")

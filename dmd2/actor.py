@@ -1,4 +1,4 @@
-"""The student's (actor's) distribution-matching step (DESIGN §2 step 5; DMD2, Yin et al. 2024, eq. 2).
+"""The student's (actor's) distribution-matching step (docs/architecture.md §1 step 5; DMD2, Yin et al. 2024, eq. 2).
 
 The KL gradient between the student's and the teacher's diffused distributions is estimated by the
 difference of the fake and real scores; tianweiy/DMD2 (`compute_distribution_matching_loss`) writes it

@@ -7,6 +7,8 @@ them. Every error names the option and what to change.
 
 import dataclasses
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ def option(default: Any, doc: str) -> Any:
 class ModelConfig:
     """Where the models come from."""
 
+    family: str = option("", "Model family (`digits`); default: inferred from the teacher.")
     teacher: str = option("", "Teacher: a diffusers model directory (or hub id), or `builtin:digits`.")
     student: str | None = option(None, "Student initialisation; default: the teacher's weights.")
     critic_load: str | None = option(None, "Critic initialisation (DMD2 only); default: the teacher.")
@@ -129,12 +132,36 @@ SECTION_TYPES = {"model": ModelConfig, "student": StudentConfig, "optim": OptimC
                  "dmd2": DMD2Config, "train": TrainConfig, "eval": EvalConfig}
 
 
+def _type_error(annotation: Any, value: Any) -> str | None:
+    """Why `value` is not of the option's type, or None when it is (TOML has int, float, str, bool, arrays)."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    for option in options:
+        if option is type(None) and value is None:
+            return None
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None
+        if option in (int, str, bool) and type(value) is option:
+            return None
+        if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
+            kinds = typing.get_args(option)
+            if len(value) == len(kinds) and all(_type_error(k, v) is None for k, v in zip(kinds, value)):
+                return None
+    names = " or ".join(getattr(o, "__name__", str(o)).replace("NoneType", "unset") for o in options)
+    return f"expected {names}, got {value!r}"
+
+
 def _section(name: str, cls: type, values: dict[str, Any], source: str) -> Any:
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigError(f"{source}: unknown option(s) {', '.join(f'[{name}] {k}' for k in unknown)}; "
                           f"[{name}] takes {', '.join(known)}")
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        problem = _type_error(hints[key], value)
+        if problem:
+            raise ConfigError(f"{source}: [{name}] {key}: {problem}")
     converted = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     return cls(**converted)
 
@@ -151,15 +178,47 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> DistillCon
 
 
 def load_recipe(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None) -> DistillConfig:
-    """Read a TOML recipe; `overrides` ({section: {option: value}}) win over the file."""
+    """Read a TOML recipe; `overrides` ({section: {option: value}}, see `parse_overrides`) win over the file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"recipe {path} does not exist; pass a TOML file such as recipes/digits-4step.toml")
-    with path.open("rb") as f:
-        data = tomllib.load(f)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path} is not valid TOML: {error}") from None
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update(values)
-    return config_from_dict(data, source=str(path))
+    return config_from_dict(data, source=str(path) + (" with --set overrides" if overrides else ""))
+
+
+def parse_overrides(assignments: list[str], option: str = "--set") -> dict[str, dict[str, Any]]:
+    """`["train.rollouts=50", "model.teacher=/models/t"]` -> {"train": {"rollouts": 50}, "model": {...}}.
+
+    A value is read as a TOML value (`50`, `3e-5`, `true`, `[0.0, 0.999]`, `"text"`); for an option
+    whose type is a string, a bare word is the string itself. Sections and options must exist; types
+    are checked when the recipe is built, like the file's.
+    """
+    parsed: dict[str, dict[str, Any]] = {}
+    for assignment in assignments:
+        target, sep, text = assignment.partition("=")
+        section, dot, key = target.strip().partition(".")
+        if not sep or not dot or not key:
+            raise ConfigError(f"{option} {assignment!r}: write SECTION.KEY=VALUE, e.g. {option} train.rollouts=50")
+        if section not in SECTION_TYPES:
+            raise ConfigError(f"{option} {assignment!r}: no section [{section}]; sections are {list(SECTION_TYPES)}")
+        hints = typing.get_type_hints(SECTION_TYPES[section])
+        if key not in hints:
+            raise ConfigError(f"{option} {assignment!r}: [{section}] has no option {key!r}; it takes "
+                              f"{', '.join(hints)}")
+        try:
+            value = tomllib.loads(f"value = {text.strip()}")["value"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()  # a bare word: only a string option takes it (checked with the recipe)
+        if _type_error(hints[key], value) and _type_error(hints[key], text.strip()) is None:
+            value = text.strip()  # e.g. --set model.teacher=123 for a string option
+        parsed.setdefault(section, {})[key] = value
+    return parsed
 
 
 def config_to_dict(config: DistillConfig) -> dict[str, Any]:
@@ -175,7 +234,7 @@ def _check(condition: bool, message: str) -> None:
 
 
 def _validate(config: DistillConfig) -> None:
-    """DESIGN §2's rules, checked before any work; each message names the option and the fix."""
+    """docs/architecture.md §1's rules, checked before any work; each message names the option and the fix."""
     train, optim, student = config.train, config.optim, config.student
     _check(train.loss_type in LOSS_TYPES, f"[train] loss_type must be one of {LOSS_TYPES}, got {train.loss_type!r}")
     _check(student.num_steps >= 1, f"[student] num_steps must be >= 1, got {student.num_steps}")

@@ -1,4 +1,4 @@
-"""Rollout samples -> train pairs: one pair per backward-simulated sample (DESIGN §2 step 2)."""
+"""Rollout samples -> train pairs: one pair per backward-simulated sample (docs/architecture.md §1 step 2)."""
 
 from dataclasses import dataclass
 

@@ -1,4 +1,4 @@
-"""The fake-score critic's flow-matching step (DESIGN §2 step 3; DMD2 "guidance" / fake score update).
+"""The fake-score critic's flow-matching step (docs/architecture.md §1 step 3; DMD2 "guidance" / fake score update).
 
 The critic learns the student's current distribution: the flow-matching loss of the teacher's own
 training, on the detached student sample x0_hat with fresh noise. The last of the K steps per rollout

@@ -13,39 +13,11 @@ from torch import nn
 from dmd2.conditioning import CondSource
 from dmd2.config import DistillConfig
 from dmd2.convert import samples_to_train_pairs
+from dmd2.hooks import ACTOR_HOOKS, CRITIC_HOOKS, score, summarize_critic
 from dmd2.model import DiffusersVelocity, VelocityFn
-from dmd2.optim import make_optimizer
-from dmd2.stages import (ACTOR_HOOKS, CRITIC_HOOKS, HookContext, RolloutPlan, TrainState, rollout_shard, score,
-                         train_steps)
-
-
-def train_state(model: nn.Module, lr: float, config: DistillConfig) -> TrainState:
-    """A model in train mode with AdamW and the warmup schedule of `config.optim`."""
-    optim = config.optim
-    optimizer, scheduler = make_optimizer(model.parameters(), lr, optim.betas, optim.weight_decay, optim.warmup_steps)
-    return TrainState(model.train(), DiffusersVelocity(model), optimizer, scheduler, optim.grad_clip)
-
-
-def rollout_plan(config: DistillConfig, rollout_id: int, sample_shape: tuple[int, ...]) -> RolloutPlan:
-    return RolloutPlan(
-        seed=config.train.seed,
-        rollout_id=rollout_id,
-        world_size=config.train.world_size,
-        critic_steps=config.dmd2.critic_steps_per_rollout,
-        batch=config.critic_batch_size,
-        sample_shape=tuple(sample_shape),
-        num_steps=config.student.num_steps,
-        shift=config.student.shift,
-    )
-
-
-def summarize_critic(steps: list[dict[str, float]]) -> dict[str, float]:
-    """The critic's K steps as one row: mean loss and grad norm, the lr of the last step."""
-    return {
-        "critic-loss": sum(s["loss"] for s in steps) / len(steps),
-        "critic-grad_norm": sum(s["grad_norm"] for s in steps) / len(steps),
-        "critic-lr": steps[-1]["lr"],
-    }
+from dmd2.plan import RolloutPlan, rollout_plan
+from dmd2.rollout import rollout_shard
+from dmd2.trainer import HookContext, TrainState, train_state, train_steps
 
 
 def run_rollout(
@@ -78,15 +50,16 @@ class InProcessDistiller:
     def from_models(
         cls, config: DistillConfig, teacher: nn.Module, conds: CondSource, sample_shape: tuple[int, ...],
         student: nn.Module | None = None, critic: nn.Module | None = None,
+        velocity: Callable[[nn.Module], VelocityFn] = DiffusersVelocity,
     ) -> "InProcessDistiller":
-        """Student and critic start as copies of the teacher unless given."""
+        """Student and critic start as copies of the teacher unless given; `velocity` is the family's call."""
         if config.train.world_size != 1:
             raise ValueError("the in-process loop runs one rank: set [train] world_size = 1 or use the distill flow")
         teacher = teacher.eval().requires_grad_(False)
         student = student if student is not None else copy.deepcopy(teacher).requires_grad_(True)
         critic = critic if critic is not None else copy.deepcopy(teacher).requires_grad_(True)
-        return cls(config, train_state(student, config.optim.lr, config), train_state(critic, config.critic_lr, config),
-                   DiffusersVelocity(teacher), conds, tuple(sample_shape))
+        return cls(config, train_state(student, config.optim.lr, config, velocity),
+                   train_state(critic, config.critic_lr, config, velocity), velocity(teacher), conds, tuple(sample_shape))
 
     def run(self, rollouts: range, on_rollout: Callable[[int, dict[str, float]], None] | None = None) -> None:
         for rollout_id in rollouts:

@@ -1,6 +1,6 @@
-"""The option reference page (recipes/OPTIONS.md), generated from the config dataclasses' own docs.
+"""The option reference page (docs/options.md), generated from the config dataclasses' own docs.
 
-Regenerate with `python -m dmd2.options_reference > recipes/OPTIONS.md`; a test fails when the page
+Regenerate with `python -m dmd2.options_reference > docs/options.md`; a test fails when the page
 and the code disagree, so the reference cannot drift.
 """
 

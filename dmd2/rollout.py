@@ -11,8 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dmd2.conditioning import CondSource
+from dmd2.draws import shard_rows
 from dmd2.model import Cond, VelocityFn, cond_rows
-from dmd2.schedule import add_noise, x0_from_velocity
+from dmd2.plan import RolloutPlan
+from dmd2.schedule import add_noise, student_sigmas, x0_from_velocity
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,19 @@ def backward_simulate(
     done = stop_index == num_steps
     x_i[done], x0_hat[done] = x[done], x[done]
     return x_i, x0_hat, sigma_i
+
+
+def rollout_shard(student: VelocityFn, conds: CondSource, plan: RolloutPlan, rank: int) -> RolloutSamples:
+    """Backward-simulated student samples for this rank's K*B rows of the rollout's global batch."""
+    draws, rows = plan.draws, shard_rows(rank, plan.world_size, plan.critic_steps, plan.batch)
+    stop_index = draws.integers("stop", plan.num_steps, rows)
+    noise = draws.normal("noise", rows, plan.sample_shape)
+    renoise = [draws.normal(f"renoise/{j}", rows, plan.sample_shape) for j in range(plan.num_steps - 1)]
+    renoise = torch.stack(renoise) if renoise else noise.new_empty((0, *noise.shape))
+    cond, neg_cond = conds(draws, rows)
+    sigmas = student_sigmas(plan.num_steps, plan.shift)
+    x_i, x0_hat, sigma = backward_simulate(student, noise, sigmas, stop_index, cond, renoise)
+    return RolloutSamples(x_i, x0_hat, sigma, stop_index, cond, neg_cond, rows)
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Flow-matching schedule: sigma grids, timesteps, noising, x0/velocity conversions and CFG.
 
-Conventions (rectified flow, as in SD3 / Flux / Wan; DESIGN §2):
+Conventions (rectified flow, as in SD3 / Flux / Wan; docs/architecture.md §1):
     x_s = (1 - sigma) * x0 + sigma * eps          (noising, sigma in [0, 1])
     v   = eps - x0                                 (the model's velocity target)
     x0  = x_s - sigma * v                          (x0 recovered from a velocity)

@@ -1,6 +1,6 @@
 """Scoring the student's samples with the frozen teacher (real score) and the critic (fake score).
 
-DESIGN §2 step 4. `fused` (default) reuses the critic's last training forward for x0_fake, see
+Step 4 of docs/architecture.md §1. `fused` (default) reuses the critic's last training forward for x0_fake, see
 `dmd2.critic.critic_loss`; `original` (tianweiy/DMD2's order) draws its own sigma and noise and runs a
 separate critic forward before the critic's last step.
 """

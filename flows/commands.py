@@ -1,112 +1,127 @@
-"""The orchestrated commands of the CLI: run (make run), distill, evaluate, serve."""
+"""The orchestrated commands of the CLI: run (make run), distill, evaluate, serve.
+
+Every input is checked before Prefect or Ray start: the recipe, its `--set` overrides, the model
+family, the run id, and that the store and the local outputs are separate folders.
+"""
 
 import argparse
 from pathlib import Path
 
-from flows.cli_common import RECIPES, cache_arg
+from dmd2.family import default_cache_dir
+from flows.recipe import DEFAULT_RECIPE, run_config
 
 MLFLOW_HINT = "mlflow ui --backend-store-uri {uri}   # then open http://127.0.0.1:5000"
+SET_HELP = ("override a recipe option, typed and validated like the file's, e.g. --set train.rollouts=50 "
+            "--set optim.lr=3e-5 (repeatable; every option is in docs/options.md)")
 
 
-def add_distill_args(parser: argparse.ArgumentParser, default_recipe: Path) -> None:
-    parser.add_argument("--recipe", type=Path, default=default_recipe, help=f"TOML recipe (default {default_recipe})")
-    parser.add_argument("--rollouts", type=int, help="rollouts to run (default: the recipe's [train] rollouts)")
+def cache_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
+                        help=f"where families cache what they build once, e.g. the built-in digits teacher "
+                             f"(default {default_cache_dir()}; env DMD2_CACHE)")
+
+
+def recipe_args(parser: argparse.ArgumentParser, rollouts: bool = True) -> None:
+    parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE, help=f"TOML recipe (default {DEFAULT_RECIPE})")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help=SET_HELP)
+    if rollouts:
+        parser.add_argument("--rollouts", type=int, help="rollouts to run (default: the recipe's [train] rollouts)")
+
+
+def add_distill_args(parser: argparse.ArgumentParser) -> None:
+    recipe_args(parser)
     parser.add_argument("--run-id", help="run id; rerun with the same id to resume (default: the recipe's name)")
     parser.add_argument("--store", help="artifact store URI: file:///path or s3://bucket/prefix "
-                                        "(default $DMD2_STORE or file://./runs)")
+                                        "(default $DMD2_STORE or file://./artifacts)")
     parser.add_argument("--ray-address", help="Ray cluster to join (default $RAY_ADDRESS; unset: a local Ray)")
     parser.add_argument("--tracking-uri", help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs"),
-                        help="where the student directory and sample grid go (default ./runs)")
+    parser.add_argument("--output-dir", type=Path, default=Path("outputs"),
+                        help="where a copy of the student and the sample pictures go, in <dir>/<run id>/ "
+                             "(default ./outputs; must not overlap the store)")
     cache_arg(parser)
 
 
-def _distill(args: argparse.Namespace) -> dict:
-    from dmd2.config import load_recipe
-    from flows.distill import distill
-    from infra.store_keys import validate_name
+def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
+    """Check everything cheap, then run the distill flow; returns (its result, the family's columns)."""
+    from infra.store import ArtifactStore, validate_name
 
-    if args.rollouts is not None and args.rollouts < 1:
-        raise SystemExit("error: --rollouts must be >= 1")
-    if not args.recipe.is_file():
-        raise SystemExit(f"error: --recipe {args.recipe} does not exist (recipes are in {RECIPES})")
+    config, family = run_config(args.recipe, args.overrides, args.rollouts)
     run_id = args.run_id or args.recipe.stem
-    try:  # before Prefect and Ray start: a bad id should cost nothing
+    try:  # before Prefect and Ray start: a bad id or store should cost nothing
         validate_name(run_id, "--run-id")
-        load_recipe(args.recipe)
+        from flows.distill import check_separate, default_store_uri, distill
+
+        check_separate(ArtifactStore(args.store or default_store_uri()), args.output_dir)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
-    return distill(recipe=str(args.recipe), run_id=run_id, rollouts=args.rollouts,
-                   store_uri=args.store, ray_address=args.ray_address, tracking_uri=args.tracking_uri,
-                   cache_dir=str(args.cache_dir), output_dir=str(args.output_dir))
+    result = distill(recipe=str(args.recipe), run_id=run_id, rollouts=args.rollouts, overrides=args.overrides,
+                     store_uri=args.store, ray_address=args.ray_address, tracking_uri=args.tracking_uri,
+                     cache_dir=str(args.cache_dir), output_dir=str(args.output_dir))
+    return result, family.report_columns
 
 
-def _report(result: dict) -> None:
-    from infra.tracking import tracking_uri
+def format_table(rows: list[tuple[str, dict[str, float]]], columns: dict[str, str]) -> str:
+    """A Markdown table of named score rows (it reads in a terminal and pastes into BENCHMARKS.md)."""
+    lines = ["| row | " + " | ".join(columns.values()) + " |", "|---|" + "---:|" * len(columns)]
+    lines += [f"| {name} | " + " | ".join(f"{scores[key]:.3f}" if "accuracy" in key else f"{scores[key]:.2f}"
+                                          for key in columns) + " |" for name, scores in rows]
+    return "\n".join(lines)
 
-    scores = result["eval"]
-    print(f"\nstudent of run {result['run_id']}: FD vs real {scores['eval/fd_real']:.2f}, "
-          f"FD vs teacher 32-step {scores['eval/fd_teacher']:.2f}, class accuracy {scores['eval/accuracy']:.3f}")
+
+def _report(result: dict, columns: dict[str, str], tracking_uri: str | None) -> None:
+    from infra.tracking import tracking_uri as resolve_tracking_uri
+
+    scores = ", ".join(f"{heading} {result['eval'][key]:.3f}" for key, heading in columns.items())
+    if result["reported"]:
+        print(f"\nrun {result['run_id']} had already finished its {result['rollouts']} rollouts: nothing to train "
+              "(pass more --rollouts to continue it, or a new --run-id)")
+    print(f"\nstudent of run {result['run_id']} after {result['rollouts']} rollouts: {scores}")
     print(f"student (diffusers save_pretrained): {result['student_dir']}")
-    print(f"sample grid: {result['grid_path']}")
-    print(f"MLflow run {result['mlflow_run_id']}: {MLFLOW_HINT.format(uri=tracking_uri(None))}")
+    for name, path in result["pictures"].items():
+        print(f"{name}: {path}")
+    print(f"MLflow run {result['mlflow_run_id']}: {MLFLOW_HINT.format(uri=resolve_tracking_uri(tracking_uri))}")
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    _report(_distill(args))
+    result, columns = _distill(args)
+    _report(result, columns, args.tracking_uri)
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """The built-in default end to end: the distill flow, then its student beside the teacher's rows."""
-    import torch
-
-    from dmd2.config import load_recipe
-    from dmd2.digits.table import Row, format_table
-    from dmd2.model import DiffusersVelocity
-    from flows.distill import resolve_models
-    from flows.evaluation import StudentEvaluator
-    from infra.models import load_model
-
-    result = _distill(args)
-    config = resolve_models(load_recipe(args.recipe), args.cache_dir)
-    yardstick = StudentEvaluator.build(config, config.model.teacher, args.cache_dir).yardstick
-    teacher = DiffusersVelocity(load_model(config.model.teacher).eval())
-    steps, guidance = config.student.num_steps, config.dmd2.teacher_guidance_scale
-    with torch.no_grad():
-        rows = [Row(f"teacher, {n} steps, guidance {guidance:g}",
-                    **yardstick.score_model(teacher, sampler="teacher", num_steps=n, guidance_scale=guidance))
-                for n in (config.eval.reference_steps, steps)]
-        rows.append(Row(f"untrained student, {steps} steps",
-                        **yardstick.score_model(teacher, sampler="student", num_steps=steps)))
-    scores = result["eval"]
-    rows.append(Row(f"DMD2 student, {steps} steps (this run)", scores["eval/fd_real"], scores["eval/fd_teacher"],
-                    scores["eval/accuracy"]))
-    print("\n" + format_table(rows))
-    _report(result)
+    """The built-in default end to end: the distill flow, then its student beside the family's baselines."""
+    result, columns = _distill(args)
+    rows = [*(result["baselines"] or []), (f"DMD2 student (this run, {result['rollouts']} rollouts)", result["eval"])]
+    print("\n" + format_table(rows, columns))
+    _report(result, columns, args.tracking_uri)
     return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    """Score a saved student directory on the digits yardstick."""
-    from dmd2.config import load_recipe
-    from flows.distill import resolve_models
-    from flows.evaluation import StudentEvaluator
-    from infra.models import load_model
+    """Score a student directory the way its family evaluates students (in this process)."""
+    import torch
 
-    config = resolve_models(load_recipe(args.recipe), args.cache_dir)
-    evaluator = StudentEvaluator.build(config, config.model.teacher, args.cache_dir)
-    scores, _ = evaluator.evaluate(load_model(str(args.student)).eval())
-    for key, value in scores.items():
+    config, family = run_config(args.recipe, args.overrides)
+    config = family.resolve(config, args.cache_dir)
+    student = family.load_model(str(args.student)).eval()
+    with torch.no_grad():
+        evaluation = family.evaluator(config, args.cache_dir).evaluate(family.velocity(student))
+    for key, value in evaluation.scores.items():
         print(f"{key}: {value:.4f}")
     return 0
 
 
-def build_deployment(name: str, recipe: Path, run_id: str | None, cron: str | None):
+def build_deployment(name: str, recipe: Path, run_id: str | None, cron: str | None,
+                     overrides: list[str] | None = None, rollouts: int | None = None):
     """The distill flow as deployment `distill/<name>`; every run continues `run_id` (default: the recipe's name)."""
     from flows.distill import distill
 
     parameters = {"recipe": str(recipe.resolve()), "run_id": run_id or recipe.stem}
+    if overrides:
+        parameters["overrides"] = list(overrides)
+    if rollouts is not None:
+        parameters["rollouts"] = rollouts
     return distill.to_deployment(name=name, cron=cron, parameters=parameters,
                                  description=f"DMD2 distillation of {recipe.name}; rerunning continues the same run")
 
@@ -115,7 +130,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the distill flow as a deployment: `prefect deployment run 'distill/<name>'` starts runs."""
     from prefect import serve
 
-    if not args.recipe.is_file():
-        raise SystemExit(f"error: --recipe {args.recipe} does not exist (recipes are in {RECIPES})")
-    serve(build_deployment(args.name, args.recipe, args.run_id, args.cron))
+    run_config(args.recipe, args.overrides, args.rollouts)  # a bad recipe is refused before serving
+    serve(build_deployment(args.name, args.recipe, args.run_id, args.cron, args.overrides, args.rollouts))
     return 0

@@ -1,56 +1,45 @@
-"""The distill flow: validate, build the trainer groups, run rollout flows, checkpoint, evaluate, resume.
+"""The distill flow: validate, build the trainer groups, run rollout flows, checkpoint, evaluate, export.
 
 Run it again with the same run id and it continues from the last complete checkpoint with the same
-seeds and the same MLflow run; steps it replays are not logged twice.
+seeds and the same MLflow run; steps it replays are not logged twice. A run that already reached its
+rollouts reports its stored result and trains nothing. The store (artifacts, checkpoints, the
+exported student) and the local outputs (a copy of the student, the sample grid) are separate trees.
 """
 
 import os
-import tempfile
-from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from dmd2.config import ConfigError, DistillConfig, config_to_dict, load_recipe
-from dmd2.digits.pretrain import resolve_model
-from flows.cli_common import DEFAULT_CACHE
-from flows.evaluation import StudentEvaluator
-from flows.progress import ProgressBar
+from dmd2.config import ConfigError, DistillConfig, config_to_dict
+from dmd2.family import ModelFamily, default_cache_dir
+from dmd2.progress import progress_bar
+from flows.outputs import RunResult, find_result, save_result, write_outputs
+from flows.recipe import DEFAULT_RECIPE, run_config
 from flows.rollout import rollout_flow
-from infra.cluster import ensure_ray
-from infra.models import class_conditional_task
-from infra.rollout_driver import Groups, build_groups, load_groups, save_groups
 from infra.store import ArtifactStore
 from infra.tracking import RunTracker
+from infra.trainers import Groups, build_groups, ensure_ray, load_groups
 from tasks import runtime
+from tasks.distill import checkpoint, evaluate, export
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_RECIPE = str(REPO / "recipes" / "digits-4step.toml")
+DEFAULT_OUTPUT_DIR = "outputs"
 
 
 def default_store_uri() -> str:
-    return os.environ.get("DMD2_STORE", (Path.cwd() / "runs").as_uri())
+    return os.environ.get("DMD2_STORE", (Path.cwd() / "artifacts").as_uri())
 
 
-@dataclass(frozen=True)
-class RunResult:
-    run_id: str
-    mlflow_run_id: str
-    student_dir: str
-    eval: dict[str, float]
-    grid_path: str
-
-
-def resolve_models(config: DistillConfig, cache_dir: Path) -> DistillConfig:
-    """`builtin:digits` (pretrained and cached on first use) becomes a directory; others stay as given."""
-    model = config.model
-    return config.replace(
-        "model",
-        teacher=resolve_model(model.teacher, cache_dir, ProgressBar()),
-        student=model.student and resolve_model(model.student, cache_dir),
-        critic_load=model.critic_load and resolve_model(model.critic_load, cache_dir),
-    )
+def check_separate(store: ArtifactStore, output_dir: Path) -> None:
+    """The local outputs must not lie inside a file:// store, nor the store inside the outputs."""
+    if not store.root_uri.startswith("file://"):
+        return
+    root, outputs = Path(store.root_uri[len("file://"):]).resolve(), output_dir.resolve()
+    if outputs == root or root in outputs.parents or outputs in root.parents:
+        raise ConfigError(f"--output-dir {output_dir} and --store {store.root_uri} overlap; the store keeps its own "
+                          "copy of the student, so give them separate folders (defaults: ./outputs, ./artifacts)")
 
 
 def train_metric_names(metrics: dict[str, float]) -> dict[str, float]:
@@ -62,6 +51,112 @@ def _due(done: int, interval: int, total: int) -> bool:
     return done == total or (interval > 0 and done % interval == 0)
 
 
+@flow(name="distill", flow_run_name="distill-{run_id}")
+def distill(
+    recipe: str = str(DEFAULT_RECIPE),
+    run_id: str = "digits-4step",
+    rollouts: int | None = None,
+    overrides: list[str] | None = None,
+    store_uri: str | None = None,
+    ray_address: str | None = None,
+    tracking_uri: str | None = None,
+    cache_dir: str | None = None,
+    output_dir: str = DEFAULT_OUTPUT_DIR,
+) -> dict:
+    """Distill the recipe's teacher into its student over `rollouts` rollout flows (default: the recipe's).
+
+    `overrides` are `SECTION.KEY=VALUE` strings, as `--set` takes them.
+    """
+    config, family = run_config(recipe, overrides, rollouts)
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    store, outputs = ArtifactStore(store_uri or default_store_uri()), Path(output_dir)
+    store.checkpoint_key(run_id, 0)  # validates the run id before anything starts
+    check_separate(store, outputs)
+    latest = store.latest_checkpoint(run_id)
+    if latest is not None and latest.step > config.train.rollouts:  # before MLflow: a refusal changes nothing
+        raise ConfigError(f"run {run_id} already has {latest.step} rollouts; pass rollouts >= {latest.step} to "
+                          "continue it, or use a new run id")
+    config = family.resolve(config, cache)
+    tracker = RunTracker.start_or_resume(run_id, uri=tracking_uri)
+    status = "FAILED"
+    try:
+        params = config_to_dict(config)
+        target = params["train"].pop("rollouts")  # a later run may extend the same run: a tag, not a param
+        tracker.log_params(params)
+        started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        tracker.record_flow_run(str(flow_run.id), f"started {started}, to {target} rollouts")
+        tracker.set_tags({"dmd2.store": store.root_uri, "dmd2.recipe": str(recipe), "dmd2.rollouts": str(target)})
+        result, trained = find_result(store, run_id, target), 0
+        reported = result is not None
+        if reported:
+            get_run_logger().info("run %s already has its %d rollouts: reporting its result", run_id, target)
+        else:
+            if ray_address:
+                os.environ["RAY_ADDRESS"] = ray_address
+            result, trained = _run(config, family, run_id, store, tracker, cache, str(recipe))
+        result = write_outputs(store, result, outputs, tracker)
+        status = "FINISHED"
+        return result.to_dict() | {"trained": trained, "reported": reported}
+    finally:
+        tracker.finish(status)
+
+
+def _run(config: DistillConfig, family: ModelFamily, run_id: str, store: ArtifactStore, tracker: RunTracker,
+         cache: Path, recipe: str) -> tuple[RunResult, int]:
+    """Build the groups, train to the recipe's rollouts, evaluate and export; the groups end with it.
+
+    Returns the result and how many rollouts this flow run trained."""
+    ensure_ray()
+    threads = max(1, (os.cpu_count() or 1) // config.train.world_size)
+    groups = build_groups(family.run_spec(config, cache), store, num_threads=threads)
+    runtime.register(run_id, groups)
+    try:
+        trained, (scores, media, baselines) = _train(config, run_id, store, groups, tracker)
+        card = {"teacher": config.model.teacher, "recipe": recipe, "run_id": run_id,
+                "rollouts": config.train.rollouts, "scores": scores}
+        student = export(run_id, config.train.rollouts, card)
+        result = RunResult(run_id, tracker.mlflow_run_id, config.train.rollouts, student, scores, media, baselines)
+        save_result(store, result)
+        return result, trained
+    finally:
+        runtime.unregister(run_id)
+        groups.shutdown()
+
+
+def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Groups, tracker: RunTracker):
+    """Rollouts from the last checkpoint to the target, with checkpoints and evaluations on their intervals.
+
+    Returns the rollouts trained and the last evaluation's (scores, media ref, baselines); the baselines
+    are scored once, at the end.
+    """
+    total, train = config.train.rollouts, config.train
+    start = resume(groups, store, run_id)
+    evaluation = None
+    with progress_bar(total, f"distill {run_id}", initial=start, unit="rollout") as bar:
+        for rollout_id in range(start, total):
+            tracker.log_metrics(rollout_id, train_metric_names(rollout_flow(run_id, rollout_id)))
+            store.prune(run_id, keep_last=train.keep_rollouts)  # the next rollout reads none of them
+            done = rollout_id + 1
+            if _due(done, train.save_interval, total):
+                checkpoint(run_id, done)
+            if _due(done, train.eval_interval, total):  # always after the last rollout
+                evaluation = _evaluate(run_id, store, tracker, step=rollout_id, final=done == total)
+            bar.update(1)
+    if evaluation is None:  # resumed from the last checkpoint: score the restored student once more
+        evaluation = _evaluate(run_id, store, tracker, step=total - 1, final=True)
+    return total - start, (evaluation.scores, evaluation.media, evaluation.baselines)
+
+
+def _evaluate(run_id: str, store: ArtifactStore, tracker: RunTracker, step: int, final: bool):
+    """Rank 0 evaluates; the driver logs the scores and the media (small pictures) at `step`."""
+    evaluation = evaluate(run_id, step, with_baselines=final)
+    tracker.log_metrics(step, evaluation.scores)
+    if evaluation.media is not None:
+        for name, picture in store.get_tensors(evaluation.media).items():
+            tracker.log_image(name, picture.numpy(), step=step)
+    return evaluation
+
+
 def resume(groups: Groups, store: ArtifactStore, run_id: str) -> int:
     """Load the last complete checkpoint (if any); return the first rollout still to run."""
     latest = store.latest_checkpoint(run_id)
@@ -70,99 +165,3 @@ def resume(groups: Groups, store: ArtifactStore, run_id: str) -> int:
     load_groups(groups, latest.ref)
     get_run_logger().info("resuming run %s from its checkpoint after %d rollouts", run_id, latest.step)
     return latest.step
-
-
-@flow(name="distill", flow_run_name="distill-{run_id}")
-def distill(
-    recipe: str = DEFAULT_RECIPE,
-    run_id: str = "digits-4step",
-    rollouts: int | None = None,
-    store_uri: str | None = None,
-    ray_address: str | None = None,
-    tracking_uri: str | None = None,
-    cache_dir: str | None = None,
-    output_dir: str = "runs",
-) -> dict:
-    """Distill the recipe's teacher into its student: `rollouts` rollout flows (default: the recipe's)."""
-    cache = Path(cache_dir) if cache_dir else DEFAULT_CACHE
-    config = load_recipe(recipe, overrides={"train": {"rollouts": rollouts}} if rollouts else None)
-    if config.train.loss_type != "dmd2":
-        raise ConfigError(f"[train] loss_type = {config.train.loss_type!r}: the distill flow runs DMD2 rollouts "
-                          "only; set loss_type = 'dmd2'")
-    config = resolve_models(config, cache)
-    store = ArtifactStore(store_uri or default_store_uri())
-    store.checkpoint_key(run_id, 0)  # validates the run id before anything starts
-    if ray_address:
-        os.environ["RAY_ADDRESS"] = ray_address
-    ensure_ray()
-    tracker = RunTracker.start_or_resume(run_id, uri=tracking_uri)
-    params = config_to_dict(config)
-    target = params["train"].pop("rollouts")  # a later run may extend the same run: a tag, not a param
-    tracker.log_params(params)
-    tracker.set_tags({"prefect.flow_run_id": str(flow_run.id), "dmd2.store": store.root_uri, "dmd2.recipe": recipe,
-                      "dmd2.rollouts": str(target)})
-    threads = max(1, (os.cpu_count() or 1) // config.train.world_size)
-    groups = build_groups(class_conditional_task(config, config.model.teacher), store, num_threads=threads)
-    runtime.register(run_id, groups)
-    status = "FAILED"
-    try:
-        result = _train(config, run_id, store, groups, tracker, cache, Path(output_dir))
-        status = "FINISHED"
-        return result.__dict__
-    finally:
-        runtime.unregister(run_id)
-        groups.shutdown()
-        tracker.finish(status)
-
-
-def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Groups, tracker: RunTracker,
-           cache_dir: Path, output_dir: Path) -> RunResult:
-    total, train = config.train.rollouts, config.train
-    evaluator = StudentEvaluator.build(config, config.model.teacher, cache_dir)
-    progress, student, scores, grid = ProgressBar(), None, {}, None
-    start = resume(groups, store, run_id)
-    if start > total:
-        raise ValueError(f"run {run_id} already has {start} rollouts; pass rollouts >= {start} to continue it, "
-                         "or use a new run id")
-    for rollout_id in range(start, total):
-        tracker.log_metrics(rollout_id, train_metric_names(rollout_flow(run_id, rollout_id)))
-        store.prune(run_id, keep_last=train.keep_rollouts)  # the next rollout reads none of them
-        done = rollout_id + 1
-        if _due(done, train.save_interval, total):
-            save_groups(groups, run_id, done)
-        if _due(done, train.eval_interval, total):  # always after the last rollout
-            student = _current_student(run_id, store, groups, evaluator)
-            scores, grid = evaluator.evaluate(student)
-            tracker.log_metrics(rollout_id, scores)
-            tracker.log_image("samples", grid, step=rollout_id)
-        progress(f"distill {run_id}", done, total)
-    if student is None:  # resumed after the last rollout: score the restored student once more
-        student = _current_student(run_id, store, groups, evaluator)
-        scores, grid = evaluator.evaluate(student)
-    return _export_student(config, run_id, store, student, tracker, output_dir, scores, grid)
-
-
-def _current_student(run_id: str, store: ArtifactStore, groups: Groups, evaluator: StudentEvaluator):
-    """The actor group's current weights, through the store, in a diffusers model on the driver."""
-    weights = groups.actor.export_weights(f"{run_id}/eval/student.safetensors")[0]
-    return evaluator.load_student(store, weights)
-
-
-def _export_student(config, run_id, store, student, tracker, output_dir, scores, grid) -> RunResult:
-    """The student as a diffusers directory: locally, in the store, and as an MLflow artifact."""
-    student_dir = output_dir / run_id / "student"
-    student.save_pretrained(student_dir)
-    store.put_dir(f"{run_id}/student/{config.train.rollouts}", student_dir)
-    tracker.log_artifacts(student_dir, "student")
-    grid_path = output_dir / run_id / "samples.png"
-    _save_png(grid, grid_path)
-    return RunResult(run_id, tracker.mlflow_run_id, str(student_dir), scores, str(grid_path))
-
-
-def _save_png(pixels, path: Path) -> None:
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".png", delete=False) as f:
-        Image.fromarray(pixels).save(f, format="PNG")
-    os.replace(f.name, path)

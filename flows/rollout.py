@@ -1,8 +1,8 @@
-"""One DMD2 rollout as a Prefect flow (DESIGN §2): the body is the algorithm's data flow."""
+"""One DMD2 rollout as a Prefect flow (docs/architecture.md §2): the body is the algorithm's data flow."""
 
 from prefect import flow
 
-from tasks.stages import actor_train, convert, critic_train, rollout, score, sleep
+from tasks.rollout import actor_train, convert, critic_train, rollout, score, sleep
 
 
 @flow(name="rollout", flow_run_name="rollout-{rollout_id}")

@@ -1,11 +1,11 @@
 """The live trainer groups of the runs this process drives, found by run id.
 
 Prefect task parameters should be small and serialisable (they are shown in the UI and hashed), so
-tasks take a run id and refs, and look the Ray actor handles up here. The distill flow registers a
+tasks take a run id and refs, and look the trainer groups (their rank workers) up here. The distill flow registers a
 run's groups before its first rollout and removes them when it ends.
 """
 
-from infra.rollout_driver import Groups
+from infra.trainers.stages import Groups
 
 _GROUPS: dict[str, Groups] = {}
 

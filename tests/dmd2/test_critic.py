@@ -5,7 +5,9 @@ import torch
 from dmd2.config import DMD2Config
 from dmd2.convert import TrainPairs
 from dmd2.critic import critic_loss, flow_matching_loss, training_sigma
-from dmd2.stages import CRITIC_HOOKS, HookContext, RolloutPlan, TrainState, score, train_steps
+from dmd2.hooks import CRITIC_HOOKS, score
+from dmd2.plan import RolloutPlan
+from dmd2.trainer import HookContext, TrainState, train_steps
 from dmd2.optim import make_optimizer
 from dmd2.scoring import separate_critic_draw
 

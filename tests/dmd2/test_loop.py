@@ -5,7 +5,7 @@ from diffusers import AutoModel
 
 from dmd2.conditioning import ClassLabels
 from dmd2.config import DistillConfig, DMD2Config, ModelConfig, OptimConfig, StudentConfig, TrainConfig
-from dmd2.digits.model import build_digits_unet
+from dmd2.families.digits.model import build_digits_unet
 from dmd2.loop import InProcessDistiller
 
 

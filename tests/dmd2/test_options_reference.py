@@ -2,12 +2,12 @@ from pathlib import Path
 
 from dmd2.options_reference import options_markdown
 
-PAGE = Path(__file__).resolve().parents[2] / "recipes" / "OPTIONS.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "options.md"
 
 
 def test_the_option_reference_is_up_to_date():
     assert PAGE.read_text() == options_markdown(), (
-        "recipes/OPTIONS.md is stale: run `python -m dmd2.options_reference > recipes/OPTIONS.md`")
+        "docs/options.md is stale: run `python -m dmd2.options_reference > docs/options.md`")
 
 
 def test_every_option_appears_with_its_doc():

@@ -10,7 +10,7 @@ import ray
 from prefect.testing.utilities import prefect_test_harness
 
 from tests.infra.conftest import BUCKET, REGION, MotoServer, aws_test_settings
-from tests.infra.conftest_ray import tiny_teacher  # noqa: F401  (a fixture)
+from tests.infra.trainers.ray_fixtures import tiny_teacher  # noqa: F401  (a fixture)
 
 TINY_RECIPE = """
 [model]

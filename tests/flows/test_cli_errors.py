@@ -1,28 +1,60 @@
 """Bad input to the CLI is refused before Prefect or Ray start, naming the option and the fix."""
 
+import re
+
 import pytest
 
 from flows.cli import build_parser, main
+
+
+def refusal(argv: list[str], capsys) -> str:
+    """The CLI's error message for `argv`; it must exit non-zero (argparse's 2, or main's 2)."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code if isinstance(exit_info.code, int) else 2
+        message = "" if isinstance(exit_info.code, int) else str(exit_info.code)
+    else:
+        message = ""
+    assert code == 2
+    return message + capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
     (["distill", "--run-id", "../evil"], "invalid --run-id '../evil'"),
     (["distill", "--recipe", "missing.toml"], "--recipe missing.toml does not exist"),
     (["distill", "--rollouts", "0"], "--rollouts must be >= 1"),
+    (["distill", "--set", "train.rollouts=many"], r"\[train\] rollouts: expected int, got 'many'"),
+    (["distill", "--set", "train.rolouts=5"], r"\[train\] has no option 'rolouts'"),
+    (["distill", "--set", "rollouts"], "write SECTION.KEY=VALUE"),
+    (["distill", "--set", "model.family=video"], r"\[model\] family = 'video' is not a model family"),
+    (["distill", "--output-dir", "artifacts/out"], "--output-dir artifacts/out and --store .* overlap"),
 ])
-def test_bad_options_are_refused_with_the_option_named(argv, message):
-    with pytest.raises(SystemExit, match=message):
-        main(argv)
+def test_bad_options_are_refused_with_the_option_named(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert re.search(message, refusal(argv, capsys))
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "artifacts").exists()
 
 
-def test_an_invalid_recipe_names_the_option(tmp_path):
+def test_an_invalid_recipe_names_the_option(tmp_path, capsys):
     recipe = tmp_path / "bad.toml"
     recipe.write_text('[model]\nteacher = "builtin:digits"\n[dmd2]\nteacher_guidance_scale = 0.5\n')
-    with pytest.raises(SystemExit, match=r"\[dmd2\] teacher_guidance_scale must be >= 1"):
-        main(["distill", "--recipe", str(recipe)])
+    assert "[dmd2] teacher_guidance_scale must be >= 1" in refusal(["distill", "--recipe", str(recipe)], capsys)
 
 
-def test_every_command_has_help(capsys):
+def test_a_malformed_recipe_names_the_file(tmp_path, capsys):
+    recipe = tmp_path / "broken.toml"
+    recipe.write_text("[model\nteacher = 1\n")
+    assert f"{recipe} is not valid TOML" in refusal(["distill", "--recipe", str(recipe)], capsys)
+
+
+def test_a_teacher_of_no_family_is_refused(tmp_path, capsys):
+    (tmp_path / "model").mkdir()
+    assert "no model family recognises [model] teacher" in refusal(
+        ["distill", "--set", f"model.teacher={tmp_path / 'model'}"], capsys)
+
+
+def test_every_command_has_help_that_mentions_set(capsys):
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
     assert set(commands) == {"run", "distill", "evaluate", "serve", "pretrain", "sample", "table"}
@@ -30,4 +62,5 @@ def test_every_command_has_help(capsys):
         with pytest.raises(SystemExit) as exit_info:
             main([name, "--help"])
         assert exit_info.value.code == 0
-        assert "usage: dmd2 " + name in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "usage: dmd2 " + name in out and "--set" in out, name

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from dmd2.digits.model import build_digits_unet
+from dmd2.families.digits.model import build_digits_unet
 from flows.cli import main
 
 

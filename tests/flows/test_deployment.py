@@ -4,7 +4,7 @@ import asyncio
 
 from prefect.client.orchestration import get_client
 
-from flows.cli_common import RECIPES
+from flows.recipe import RECIPES
 from flows.commands import build_deployment
 
 

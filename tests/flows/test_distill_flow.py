@@ -10,10 +10,10 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
 from dmd2.config import load_recipe
-from dmd2.digits.yardstick import DIGIT_CONDS
+from dmd2.families.digits.yardstick import DIGIT_CONDS
 from dmd2.loop import InProcessDistiller
 from flows.distill import distill
-from infra.models import load_model
+from dmd2.model import load_pretrained as load_model
 from infra.store import ArtifactStore
 from tests.flows.conftest import write_recipe
 

@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
 from flows.distill import distill
-from infra.models import load_model
+from dmd2.model import load_pretrained as load_model
 from infra.store import ArtifactStore
 from tests.flows.conftest import write_recipe
 

@@ -1,0 +1,106 @@
+"""The digits family's own commands: `dmd2 pretrain`, `dmd2 sample`, `dmd2 table`."""
+
+import argparse
+import os
+from pathlib import Path
+
+from dmd2.family import Command, default_cache_dir
+
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
+
+
+def _cache_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
+                        help=f"where the built-in teacher and evaluator are cached (default {default_cache_dir()}; "
+                             "env DMD2_CACHE)")
+
+
+def _pretrain_args(parser: argparse.ArgumentParser) -> None:
+    _cache_arg(parser)
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    from dmd2.families.digits.pretrain import BUILTIN_DIGITS, resolve_model
+
+    print(f"digits teacher: {resolve_model(BUILTIN_DIGITS, args.cache_dir)}")
+    return 0
+
+
+def _sample_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="a diffusers model directory (e.g. a run's student) or builtin:digits")
+    parser.add_argument("--steps", type=int, required=True, help="sampling steps")
+    parser.add_argument("--sampler", choices=["student", "teacher"], default="student",
+                        help="student: few-step x0-predict-and-renoise sampler (default); teacher: Euler ODE")
+    parser.add_argument("--guidance", type=float, default=1.0, help="CFG scale over the null class (default 1: unguided)")
+    parser.add_argument("--shift", type=float, default=1.0, help="time shift of the sigma grid (default 1)")
+    parser.add_argument("--num-samples", type=int, default=1000, help="how many samples (default 1000)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the noise (default 0)")
+    parser.add_argument("--out", type=Path, required=True, help="the .npz to write")
+    _cache_arg(parser)
+
+
+def _sample(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from dmd2.families.digits.pretrain import resolve_model
+    from dmd2.files import atomic_file
+    from dmd2.model import DiffusersVelocity, load_pretrained
+    from dmd2.sample import generate
+
+    if args.steps < 1:
+        raise SystemExit("error: --steps must be >= 1")
+    model = load_pretrained(resolve_model(args.model, args.cache_dir)).eval()
+    classes = getattr(model.config, "num_class_embeds", None)
+    if not classes:
+        raise SystemExit(f"error: --model {args.model} is not class-conditional (no num_class_embeds); "
+                         "the sample command generates class-conditional models such as the digits teacher")
+    labels = torch.arange(args.num_samples) % (classes - 1)  # the last class is the null class
+    size = model.config.sample_size
+    shape = (model.config.in_channels, *(size if isinstance(size, (list, tuple)) else (size, size)))
+    images = generate(DiffusersVelocity(model), {"class_labels": labels},
+                      {"class_labels": torch.full_like(labels, classes - 1)}, shape, sampler=args.sampler,
+                      num_steps=args.steps, guidance_scale=args.guidance, shift=args.shift, seed=args.seed)
+    with atomic_file(args.out) as tmp, open(tmp, "wb") as f:
+        np.savez(f, images=images.float().numpy(), labels=labels.numpy().astype(np.int64))
+    print(f"wrote {args.num_samples} samples ({args.sampler}, {args.steps} steps, guidance {args.guidance:g}) "
+          f"to {args.out}")
+    return 0
+
+
+def _table_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", action="append", type=Path,
+                        help="a DMD2 recipe to distill (repeatable; default: recipes/digits-4step.toml and "
+                             "recipes/digits-1step.toml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a recipe option in every recipe, e.g. --set train.rollouts=50 (repeatable)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
+    _cache_arg(parser)
+
+
+def _table(args: argparse.Namespace) -> int:
+    import torch
+
+    from dmd2.config import load_recipe, parse_overrides
+    from dmd2.families.digits.table import format_table, quality_table
+
+    torch.set_num_threads(args.threads)
+    overrides = parse_overrides(args.overrides)
+    recipes = {}
+    for path in args.recipe or [RECIPES / "digits-4step.toml", RECIPES / "digits-1step.toml"]:
+        recipes[f"DMD2 student ({Path(path).stem})"] = load_recipe(path, overrides)
+    print(format_table(quality_table(recipes, args.cache_dir)))
+    return 0
+
+
+COMMANDS = [
+    Command("pretrain", "pretrain and cache the built-in digits teacher",
+            "Pretrain the built-in digits teacher (class-conditional flow matching with label dropout) unless it "
+            "is cached; print its directory.", _pretrain_args, _pretrain),
+    Command("sample", "write generated samples to an .npz",
+            "Generate class-balanced samples from a checkpoint and write an .npz with `images` (float32, "
+            "N x C x H x W, in [-1, 1]) and `labels` (int64, N).", _sample_args, _sample),
+    Command("table", "the in-process digits quality table",
+            "Pretrain (or load) the digits teacher, distill one student per recipe in process, and print FD and "
+            "class accuracy for every row of the digits yardstick (docs/architecture.md).", _table_args, _table),
+]

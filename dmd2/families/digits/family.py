@@ -1,0 +1,113 @@
+"""The digits family: a class-conditional UNet2DModel on sklearn's 8x8 digits, the built-in default.
+
+Teacher `builtin:digits` is pretrained and cached on first use; any `save_pretrained` directory of a
+class-conditional digits UNet (1 x 8 x 8, ten classes plus the null class) is one too. Conditioning
+is a class label per sample (the null class is CFG's negative); evaluation is the digits yardstick;
+the export is the student's `save_pretrained` directory with a model card.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from dmd2.conditioning import ClassLabels
+from dmd2.config import ConfigError, DistillConfig
+from dmd2.family import Command, ModelFamily, RunSpec
+from dmd2.families.digits.data import IMAGE_SHAPE, NULL_CLASS, NUM_CLASSES
+from dmd2.families.digits.pretrain import BUILTIN_DIGITS, resolve_model
+from dmd2.model import load_pretrained
+
+
+def digits_unet_config(path: str) -> dict[str, Any] | None:
+    """The config.json of a class-conditional digits UNet2DModel directory, else None."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("sample_size")
+    size = tuple(size) if isinstance(size, list) else (size, size)
+    shape = (config.get("in_channels"), *size)
+    if (config.get("_class_name") == "UNet2DModel" and config.get("num_class_embeds") == NUM_CLASSES + 1
+            and shape == IMAGE_SHAPE):
+        return config
+    return None
+
+
+@dataclass(frozen=True)
+class DigitsFamily(ModelFamily):
+    name = "digits"
+    gate_metric = "eval/fd_teacher"
+    report_columns = {"eval/fd_real": "FD vs real", "eval/fd_teacher": "FD vs teacher 32-step",
+                      "eval/accuracy": "class accuracy"}
+
+    @classmethod
+    def claims(cls, teacher: str) -> bool:
+        return teacher == BUILTIN_DIGITS or digits_unet_config(teacher) is not None
+
+    @classmethod
+    def commands(cls) -> list[Command]:
+        from dmd2.families.digits.commands import COMMANDS
+
+        return COMMANDS
+
+    def check(self, config: DistillConfig) -> None:
+        model = config.model
+        for option, spec in (("teacher", model.teacher), ("student", model.student),
+                             ("critic_load", model.critic_load)):
+            if spec and spec != BUILTIN_DIGITS and digits_unet_config(spec) is None:
+                raise ConfigError(f"[model] {option} = {spec!r} is not a class-conditional digits UNet2DModel "
+                                  "directory (config.json with num_class_embeds = 11, 1 x 8 x 8 samples); use "
+                                  f"{BUILTIN_DIGITS!r} or a save_pretrained directory of such a model")
+
+    def resolve(self, config: DistillConfig, cache_dir: Path) -> DistillConfig:
+        model = config.model
+        return config.replace(
+            "model",
+            family=self.name,
+            teacher=resolve_model(model.teacher, cache_dir),
+            student=model.student and resolve_model(model.student, cache_dir),
+            critic_load=model.critic_load and resolve_model(model.critic_load, cache_dir),
+        )
+
+    def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
+        return RunSpec(config, self, IMAGE_SHAPE, ClassLabels(NUM_CLASSES, NULL_CLASS), str(cache_dir))
+
+    def load_model(self, path: str) -> nn.Module:
+        try:
+            return load_pretrained(path)
+        except (OSError, ValueError) as exc:
+            raise FileNotFoundError(f"cannot load a diffusers model from {path!r} ({exc}); [model] teacher / "
+                                    "student / critic_load must name a save_pretrained directory") from exc
+
+    def evaluator(self, config: DistillConfig, cache_dir: Path):
+        from dmd2.families.digits.evaluation import DigitsStudentEvaluator
+
+        return DigitsStudentEvaluator.build(config, cache_dir)
+
+    def export(self, student: nn.Module, config: DistillConfig, out_dir: Path, card: dict[str, Any]) -> None:
+        student.save_pretrained(out_dir, safe_serialization=True)
+        (out_dir / "README.md").write_text(model_card(config, card))
+
+
+def model_card(config: DistillConfig, card: dict[str, Any]) -> str:
+    """A diffusers model card: what the student is, how to sample it, and its eval figures."""
+    scores = "\n".join(f"| `{key}` | {value:.4f} |" for key, value in sorted(card.get("scores", {}).items()))
+    steps = config.student.num_steps
+    return f"""---
+library_name: diffusers
+tags: [dmd2, distillation, digits]
+---
+# DMD2 digits student ({steps} steps)
+
+Distilled with DMD2 from the digits teacher `{card.get("teacher", config.model.teacher)}` (recipe
+`{card.get("recipe", "")}`, run `{card.get("run_id", "")}`, {card.get("rollouts", "?")} rollouts). Sample it with
+the student's sampler: predict x0 and re-noise to the next sigma of the grid [1, (N-1)/N, ..., 1/N],
+N = {steps}, unguided; class labels 0..9 (10 is the null class).
+
+| eval | value |
+|---|---:|
+{scores}
+"""

@@ -1,0 +1,90 @@
+"""The digits quality table: teacher, untrained student and DMD2 students on one yardstick.
+
+This is the in-process benchmark of the DMD2 core (no orchestration): pretrain (or load) the teacher,
+distill a 4-step and a 1-step student with `dmd2.loop`, and score every row the same way.
+"""
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dmd2.config import DistillConfig
+from dmd2.families.digits.data import IMAGE_SHAPE, load_digits_splits
+from dmd2.families.digits.evaluator import DigitsEvaluator
+from dmd2.families.digits.pretrain import resolve_model
+from dmd2.families.digits.yardstick import DIGIT_CONDS, Yardstick
+from dmd2.loop import InProcessDistiller
+from dmd2.model import DiffusersVelocity, load_pretrained
+from dmd2.progress import progress_bar
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    fd_real: float
+    fd_teacher: float
+    accuracy: float
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
+def _distill(config: DistillConfig, teacher: torch.nn.Module, cache_dir: Path, name: str) -> torch.nn.Module:
+    """The recipe's student (default: a copy of the teacher) and critic, distilled in process."""
+
+    def load(spec: str | None) -> torch.nn.Module | None:
+        return load_pretrained(resolve_model(spec, cache_dir)) if spec else None
+
+    distiller = InProcessDistiller.from_models(config, teacher, DIGIT_CONDS, IMAGE_SHAPE,
+                                               student=load(config.model.student), critic=load(config.model.critic_load))
+    with progress_bar(config.train.rollouts, name, unit="rollout") as bar:
+        distiller.run(range(config.train.rollouts), lambda rollout_id, metrics: bar.update(1))
+    return distiller.student.model.eval()
+
+
+def quality_table(recipes: dict[str, DistillConfig], cache_dir: Path) -> list[Row]:
+    """The rows of the digits yardstick (docs/architecture.md) for the teacher of the first recipe,
+    then one DMD2 student per recipe.
+
+    `recipes` maps a row name ("DMD2 student, 4 steps") to its config; all share the teacher and its
+    guidance (the first recipe's [dmd2] teacher_guidance_scale).
+    """
+    first = next(iter(recipes.values()))
+    guidance, ev = first.dmd2.teacher_guidance_scale, first.eval
+    splits = load_digits_splits()
+    evaluator = DigitsEvaluator.load_or_train(cache_dir, splits)
+    teacher = load_pretrained(resolve_model(first.model.teacher, cache_dir)).eval()
+    teacher_fn = DiffusersVelocity(teacher)
+    yardstick = Yardstick.build(evaluator, splits, teacher_fn, num_samples=ev.num_samples,
+                                reference_steps=ev.reference_steps, guidance_scale=guidance, seed=first.train.seed)
+    real = splits.train_images[: ev.num_samples], splits.train_labels[: ev.num_samples]
+    rows = [Row("real data (train split vs held-out)", **yardstick.score(*real))]
+    for scale in (guidance, 1.0):
+        for steps in (ev.reference_steps, 4, 1):
+            scores = yardstick.score_model(teacher_fn, sampler="teacher", num_steps=steps, guidance_scale=scale)
+            rows.append(Row(f"teacher, {_steps(steps)}, guidance {scale:g}", **scores))
+    for steps in (4, 1):
+        scores = yardstick.score_model(teacher_fn, sampler="student", num_steps=steps)
+        rows.append(Row(f"untrained student, {_steps(steps)}", **scores))
+    for name, config in recipes.items():
+        started = time.monotonic()
+        student = _distill(config, copy.deepcopy(teacher), cache_dir, name)
+        scores = yardstick.score_model(DiffusersVelocity(student), sampler="student",
+                                       num_steps=config.student.num_steps, shift=config.student.shift)
+        log.info("%s distilled in %.0f s", name, time.monotonic() - started)
+        rows.append(Row(name, **scores))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    """A Markdown table (it reads in a terminal and pastes into BENCHMARKS.md)."""
+    lines = ["| row | FD vs real | FD vs teacher 32-step | class accuracy |", "|---|---:|---:|---:|"]
+    lines += [f"| {r.name} | {r.fd_real:.2f} | {r.fd_teacher:.2f} | {r.accuracy:.3f} |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,104 @@
+"""SD3 conditioning by prompt index: records carry `{"prompt_index": [B] int64}`, never embeddings.
+
+A `PromptTable` holds the encoded prompts (dmd2/families/sd3/prompts.py: `encode_prompt_table`); it
+expands indices into the keyword arguments of `SD3Transformer2DModel.forward`
+(`encoder_hidden_states` [B, L, D], `pooled_projections` [B, Dp]), so that
+`dmd2.model.DiffusersVelocity(transformer)(x_s, sigma, table.cond(index))` is the velocity.
+`TableVelocity` does that expansion inside a `VelocityFn`, so the algorithm (rollout, CFG via
+`dmd2.model.guided`, critic and actor steps) moves small index tensors around. The index
+`NEGATIVE` (-1) stands for the negative prompt: CFG's negative branch is `negative_indices(B)`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dmd2.model import Cond, VelocityFn
+
+NEGATIVE = -1  # the prompt index of the negative prompt
+INDEX_KEY = "prompt_index"
+
+
+@dataclass(frozen=True)
+class PromptTable:
+    """Encoded prompts: prompt_embeds [P, L, D], pooled_prompt_embeds [P, Dp], and the negative prompt's
+    negative_prompt_embeds [1, L, D], negative_pooled_prompt_embeds [1, Dp] (the names of
+    `StableDiffusion3Pipeline.encode_prompt`'s outputs)."""
+
+    prompt_embeds: Tensor
+    pooled_prompt_embeds: Tensor
+    negative_prompt_embeds: Tensor
+    negative_pooled_prompt_embeds: Tensor
+
+    def __post_init__(self):
+        count, length, width = self.prompt_embeds.shape
+        expected = {"pooled_prompt_embeds": (count, self.pooled_prompt_embeds.shape[-1]),
+                    "negative_prompt_embeds": (1, length, width),
+                    "negative_pooled_prompt_embeds": (1, self.pooled_prompt_embeds.shape[-1])}
+        for name, shape in expected.items():
+            if tuple(getattr(self, name).shape) != shape:
+                raise ValueError(f"PromptTable: {name} has shape {tuple(getattr(self, name).shape)}, expected "
+                                 f"{shape} for prompt_embeds of shape {(count, length, width)}; build the table "
+                                 f"with encode_prompt_table")
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor]) -> "PromptTable":
+        """From `encode_prompt_table`'s dict (or a safetensors file of it)."""
+        return cls(**{name: tensors[name] for name in cls.__dataclass_fields__})
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The four tensors by name (to save, e.g. with safetensors)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+    def __len__(self) -> int:
+        return self.prompt_embeds.shape[0]
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "PromptTable":
+        """The table on another device or in another dtype (e.g. next to the model, once per run)."""
+        return PromptTable(**{name: t.to(device=device, dtype=dtype) for name, t in self.tensors().items()})
+
+    def cond(self, prompt_index: Tensor) -> Cond:
+        """The transformer's conditioning of prompts [B] (int64 in [0, P), or NEGATIVE for the negative prompt)."""
+        index = prompt_index.to(self.prompt_embeds.device, torch.long)
+        bad = (index < NEGATIVE) | (index >= len(self))
+        if bad.any():
+            raise IndexError(f"prompt index {index[bad][0].item()} is outside the table of {len(self)} prompts "
+                             f"(valid: 0..{len(self) - 1}, or {NEGATIVE} for the negative prompt)")
+        negative = (index == NEGATIVE)
+        rows = index.clamp(min=0)  # the negative rows are overwritten just below
+        embeds, pooled = self.prompt_embeds[rows], self.pooled_prompt_embeds[rows]
+        embeds[negative], pooled[negative] = self.negative_prompt_embeds, self.negative_pooled_prompt_embeds
+        return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+
+    def neg_cond(self, n: int) -> Cond:
+        """The negative prompt's conditioning for n samples (views of the one row: no copies)."""
+        return {"encoder_hidden_states": self.negative_prompt_embeds.expand(n, -1, -1),
+                "pooled_projections": self.negative_pooled_prompt_embeds.expand(n, -1)}
+
+
+def prompt_indices(prompt_index: Tensor) -> Cond:
+    """The index conditioning of prompts [B] (what records and rollouts carry)."""
+    return {INDEX_KEY: prompt_index.long()}
+
+
+def negative_indices(n: int) -> Cond:
+    """The index conditioning of n samples of the negative prompt: CFG's `neg_cond`."""
+    return {INDEX_KEY: torch.full((n,), NEGATIVE, dtype=torch.long)}
+
+
+class TableVelocity:
+    """A VelocityFn over index conditionings: v(x_s, sigma, {"prompt_index": [B]}) =
+    velocity_fn(x_s, sigma, table.cond(prompt_index)), the embeddings moved to x_s's device and dtype."""
+
+    def __init__(self, velocity_fn: VelocityFn, table: PromptTable):
+        self.velocity_fn = velocity_fn
+        self.table = table
+
+    def __call__(self, x_s: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        if set(cond) != {INDEX_KEY}:
+            raise ValueError(f"TableVelocity takes the conditioning {{{INDEX_KEY!r}: [B] int64}}, got keys "
+                             f"{sorted(cond)}; build it with prompt_indices / negative_indices")
+        expanded = self.table.cond(cond[INDEX_KEY])
+        expanded = {key: value.to(device=x_s.device, dtype=x_s.dtype) for key, value in expanded.items()}
+        return self.velocity_fn(x_s, sigma, expanded)

@@ -1,0 +1,151 @@
+"""Model families: everything that depends on the kind of model distilled, behind one contract.
+
+A family knows how to resolve and load the recipe's teacher, student and critic, which component
+trains, the sample shape, where conditionings come from, the velocity call, how to evaluate a
+student (scores and media) and how to export it. The rest of the tree (the trainer groups, the
+tasks, the flows, the CLI) is written against `ModelFamily` alone; it never imports a family's code.
+The recipe names the family (`[model] family`), or the family is inferred from the teacher, and
+`family_for` resolves it here, in one place (docs/architecture.md, "Model families").
+
+Where each part runs:
+    driver, before any server   `check`, `resolve` (e.g. pretrain and cache a built-in teacher),
+                                `run_spec` (cheap: reads model configs, never weights)
+    a rank of a trainer group   `load_model`, `velocity`, `evaluator` (rank 0), `export` (rank 0)
+"""
+
+import argparse
+import dataclasses
+import os
+import pkgutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Protocol
+
+import numpy as np
+from torch import nn
+
+from dmd2.conditioning import CondSource
+from dmd2.config import ConfigError, DistillConfig, ModelConfig
+from dmd2.model import DiffusersVelocity, VelocityFn
+
+# name -> "package.module:Class"; resolved lazily so that choosing one family never imports the others.
+FAMILIES = {
+    "digits": "dmd2.families.digits.family:DigitsFamily",
+}
+
+
+def default_cache_dir() -> Path:
+    """Where families cache what they build once (a pretrained built-in teacher, an evaluator)."""
+    return Path(os.environ.get("DMD2_CACHE", Path.home() / ".cache" / "dmd2"))
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One evaluation of a student: `eval/...` scores, and media (uint8 pictures, H x W or H x W x C)."""
+
+    scores: dict[str, float]
+    media: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+
+class Evaluator(Protocol):
+    """Built once per run on the rank that evaluates (reference statistics are not cheap)."""
+
+    def evaluate(self, student: VelocityFn) -> Evaluation:
+        """Score the student (its velocity call) and make its media."""
+
+    def baselines(self) -> list[tuple[str, dict[str, float]]]:
+        """Reference rows scored the same way (e.g. the teacher at many and at few steps)."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """A family's own CLI command (`dmd2 <name>`), e.g. the digits family's `pretrain`."""
+
+    name: str
+    help: str
+    description: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every trainer group of a run shares: the recipe, its family, the sample shape [C, H, W],
+    the conditioning source, and the cache directory the family may use on the ranks."""
+
+    config: DistillConfig
+    family: "ModelFamily"
+    sample_shape: tuple[int, ...]
+    conds: CondSource
+    cache_dir: str
+
+
+class ModelFamily:
+    """The contract every family implements (subclasses are small frozen dataclasses, so they pickle
+    to Ray ranks). Methods with a body here are defaults that suit a plain diffusers model."""
+
+    name: ClassVar[str]
+    # The score that decides whether one student beats another, and its direction.
+    gate_metric: ClassVar[str]
+    gate_lower_is_better: ClassVar[bool] = True
+    # Score keys -> column headings of the eval table the CLI prints.
+    report_columns: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def claims(cls, teacher: str) -> bool:
+        """Whether `[model] teacher = teacher` is a model of this family (read configs only)."""
+        raise NotImplementedError
+
+    @classmethod
+    def commands(cls) -> list[Command]:
+        """Extra CLI commands the family offers."""
+        return []
+
+    def check(self, config: DistillConfig) -> None:
+        """Refuse, with a `ConfigError` naming the option and the fix, what this family cannot run."""
+
+    def resolve(self, config: DistillConfig, cache_dir: Path) -> DistillConfig:
+        """The config with every model spec loadable by `load_model` (a directory or a hub id)."""
+        return config
+
+    def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
+        raise NotImplementedError
+
+    def load_model(self, path: str) -> nn.Module:
+        """The component that trains (and the frozen teacher's), loaded from a directory or hub id."""
+        raise NotImplementedError
+
+    def velocity(self, model: nn.Module) -> VelocityFn:
+        """The model's velocity call for `(x_s, sigma, cond)`."""
+        return DiffusersVelocity(model)
+
+    def evaluator(self, config: DistillConfig, cache_dir: Path) -> Evaluator:
+        raise NotImplementedError
+
+    def export(self, student: nn.Module, config: DistillConfig, out_dir: Path, card: dict[str, Any]) -> None:
+        """Write the student into the empty directory `out_dir` so that users load it with diffusers."""
+        raise NotImplementedError
+
+
+def family_class(name: str) -> type[ModelFamily]:
+    if name not in FAMILIES:
+        raise ConfigError(f"[model] family = {name!r} is not a model family; choose one of {sorted(FAMILIES)}")
+    return pkgutil.resolve_name(FAMILIES[name])
+
+
+def family_for(model: ModelConfig) -> ModelFamily:
+    """The family the recipe names in `[model] family`, else the one that claims `[model] teacher`."""
+    if model.family:
+        return family_class(model.family)()
+    for name in FAMILIES:
+        cls = family_class(name)
+        if cls.claims(model.teacher):
+            return cls()
+    raise ConfigError(f"no model family recognises [model] teacher = {model.teacher!r} (families: "
+                      f"{sorted(FAMILIES)}); point it at a model or pipeline directory of one of them, "
+                      "or set [model] family")
+
+
+def all_commands() -> list[Command]:
+    """Every family's CLI commands (imports each family: for building the CLI's parser only)."""
+    return [command for name in FAMILIES for command in family_class(name).commands()]

@@ -1,0 +1,80 @@
+"""The generic trainer every group runs (in-process loop and Ray ranks alike): optimizer steps driven by hooks.
+
+What makes a group a DMD2 critic or a DMD2 actor is its hooks (`dmd2.hooks`):
+
+    train_input(ctx, pairs) -> pairs                        reshape a group's pairs before batching
+    prepare(ctx, pairs, step) -> batch                      the pairs of optimizer step `step`
+    loss(ctx, model, batch, step) -> (loss, metrics, keep)  one step's loss; `keep` feeds train_output
+    train_output(ctx, kept) -> output                       no grad, after the steps; the group's output
+
+`ctx` is rollout-level and read-only (`HookContext`); what changes per step (the step index, what a
+loss keeps) travels as arguments and return values, never as mutations of a shared context.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from dmd2.config import DistillConfig, DMD2Config
+from dmd2.convert import TrainPairs
+from dmd2.model import DiffusersVelocity, VelocityFn
+from dmd2.optim import make_optimizer, optimizer_step
+from dmd2.plan import RolloutPlan
+
+
+@dataclass(frozen=True)
+class HookContext:
+    """Rollout-level, read-only context of a group's hooks on one rank."""
+
+    plan: RolloutPlan
+    dmd2: DMD2Config
+    rank: int
+    external_data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainState:
+    """A trained model with its optimizer and lr schedule; `velocity` is how the algorithm calls it."""
+
+    model: nn.Module
+    velocity: VelocityFn
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    grad_clip: float
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """A group's four hooks (see the module docstring for their signatures)."""
+
+    loss: Callable[[HookContext, VelocityFn, TrainPairs, int], tuple[Tensor, dict[str, float], Any]]
+    prepare: Callable[[HookContext, TrainPairs, int], TrainPairs]
+    train_input: Callable[[HookContext, TrainPairs], TrainPairs] = lambda ctx, pairs: pairs
+    train_output: Callable[[HookContext, list[Any]], Any] = lambda ctx, kept: None
+
+
+def train_state(model: nn.Module, lr: float, config: DistillConfig,
+                velocity: Callable[[nn.Module], VelocityFn] = DiffusersVelocity) -> TrainState:
+    """A model in train mode with AdamW and the warmup schedule of `config.optim`.
+
+    `velocity` makes the model's velocity call (a family's adapter; default: a diffusers model's).
+    """
+    optim = config.optim
+    optimizer, scheduler = make_optimizer(model.parameters(), lr, optim.betas, optim.weight_decay, optim.warmup_steps)
+    return TrainState(model.train(), velocity(model), optimizer, scheduler, optim.grad_clip)
+
+
+def train_steps(
+    state: TrainState, hooks: Hooks, ctx: HookContext, pairs: TrainPairs, num_steps: int
+) -> tuple[list[dict[str, float]], Any]:
+    """`num_steps` optimizer steps, then the train-output hook without grad; returns (per-step metrics, output)."""
+    pairs = hooks.train_input(ctx, pairs)
+    metrics, kept = [], []
+    for step in range(num_steps):
+        loss, step_metrics, keep = hooks.loss(ctx, state.velocity, hooks.prepare(ctx, pairs, step), step)
+        metrics.append(optimizer_step(state.model, state.optimizer, state.scheduler, loss, state.grad_clip) | step_metrics)
+        kept.append(keep)
+    with torch.no_grad():
+        return metrics, hooks.train_output(ctx, kept)

@@ -1,0 +1,159 @@
+"""Names, keys and manifests of the artifact store.
+
+A *key* is a relative, '/'-separated path below the store's root. Every part of a key is checked
+against one conservative rule (``[A-Za-z0-9_][A-Za-z0-9._-]*``) so that nothing a caller passes can
+climb out of the root (``..``), become absolute (``/etc``), smuggle in another scheme
+(``s3://other``) or collide with the store's own hidden staging names (leading ``.``).
+
+Layout (docs/architecture.md §6)::
+
+    <root>/<run_id>/rollout-<n>/<task>/rank-<r>.safetensors
+    <root>/<run_id>/checkpoints/<step>/...            (a directory with MANIFEST.json)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+MANIFEST_NAME = "MANIFEST.json"
+MANIFEST_FORMAT = "dmd2-flows/manifest-v1"
+CHECKPOINTS_DIR = "checkpoints"
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+_ROLLOUT_DIR_RE = re.compile(r"rollout-(0|[1-9][0-9]*)")
+_STEP_DIR_RE = re.compile(r"0|[1-9][0-9]*")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def shown(value: object) -> str:
+    """A bad value for an error message; withheld if it might carry userinfo (``key:secret@``)."""
+    text = repr(value)
+    return "<withheld: contains '@'>" if "@" in text else text[:200]
+
+
+def validate_name(name: object, what: str = "name") -> str:
+    """Return ``name`` if it is one safe path part, else raise ``ValueError`` saying why.
+
+    Safe means: a non-empty str of at most 255 characters from ``[A-Za-z0-9._-]`` that does not
+    start with ``.`` or ``-`` (so never ``.``, ``..``, a hidden name or an option-like name).
+    """
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"invalid {what} {shown(name)}: use 1-255 characters from [A-Za-z0-9._-], not "
+            "starting with '.' or '-' (no '/', '..', absolute paths or URI schemes)"
+        )
+    return name
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` if every '/'-separated part passes ``validate_name``, else ``ValueError``.
+
+    Empty parts (``a//b``, a leading or trailing ``/``) are refused, which also refuses absolute
+    paths.
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"invalid key {shown(key)}: expected a non-empty relative path")
+    for part in key.split("/"):
+        validate_name(part, what=f"part of key {shown(key)}:")
+    return key
+
+
+def _validate_index(value: object, what: str) -> int:
+    # bool is an int subclass; a True rank is a bug, not rank 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"invalid {what} {shown(value)}: expected an int >= 0")
+    return value
+
+
+def rollout_prefix(run_id: str, rollout: int) -> str:
+    """Key of one rollout's folder: ``<run_id>/rollout-<rollout>``."""
+    validate_name(run_id, "run id")
+    return f"{run_id}/rollout-{_validate_index(rollout, 'rollout')}"
+
+
+def rollout_key(run_id: str, rollout: int, task: str, rank: int) -> str:
+    """Key of one rank's tensors for one task of one rollout.
+
+    ``<run_id>/rollout-<rollout>/<task>/rank-<rank>.safetensors``; raises ``ValueError`` on an
+    unsafe run id or task name, or a negative / non-int rollout or rank.
+    """
+    validate_name(task, "task name")
+    rank = _validate_index(rank, "rank")
+    return f"{rollout_prefix(run_id, rollout)}/{task}/rank-{rank}.safetensors"
+
+
+def checkpoints_prefix(run_id: str) -> str:
+    """Key of a run's checkpoint folder: ``<run_id>/checkpoints``."""
+    return f"{validate_name(run_id, 'run id')}/{CHECKPOINTS_DIR}"
+
+
+def checkpoint_key(run_id: str, step: int) -> str:
+    """Key of the checkpoint directory of ``step``: ``<run_id>/checkpoints/<step>``."""
+    return f"{checkpoints_prefix(run_id)}/{_validate_index(step, 'step')}"
+
+
+def parse_rollout_dir(name: str) -> int | None:
+    """The rollout number of a folder named ``rollout-<n>``, or None for any other name."""
+    match = _ROLLOUT_DIR_RE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a checkpoint folder named ``<step>``, or None (staging folders, strays)."""
+    return int(name) if _STEP_DIR_RE.fullmatch(name) else None
+
+
+def is_sha256(value: object) -> bool:
+    """True for a lowercase hex sha256 digest."""
+    return isinstance(value, str) and _SHA256_RE.fullmatch(value) is not None
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """One file of a stored directory: its relative path, size and digest (piece-wise sha256)."""
+
+    path: str
+    nbytes: int
+    sha256: str
+
+
+def encode_manifest(entries: list[ManifestEntry]) -> bytes:
+    """Serialise entries deterministically (sorted by path), so equal trees give equal bytes."""
+    files = [
+        {"path": e.path, "nbytes": e.nbytes, "sha256": e.sha256}
+        for e in sorted(entries, key=lambda e: e.path)
+    ]
+    document = {"format": MANIFEST_FORMAT, "files": files}
+    return json.dumps(document, sort_keys=True, indent=1).encode("utf-8")
+
+
+def decode_manifest(data: bytes, uri: str) -> list[ManifestEntry]:
+    """Parse and check a manifest; raise ``ValueError`` naming ``uri`` if it is malformed.
+
+    Every path is re-validated as a key: a manifest decides where get_dir writes, so a hostile
+    one must not be able to point outside the destination folder.
+    """
+    try:
+        document = json.loads(data.decode("utf-8"))
+        if document.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"unknown format {shown(document.get('format'))}")
+        entries = [_decode_entry(item) for item in document["files"]]
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"malformed manifest at {uri}: {exc}") from exc
+    paths = [e.path for e in entries]
+    if len(set(paths)) != len(paths) or MANIFEST_NAME in paths:
+        raise ValueError(f"malformed manifest at {uri}: duplicate or reserved paths")
+    return entries
+
+
+def _decode_entry(item: dict) -> ManifestEntry:
+    if set(item) != {"path", "nbytes", "sha256"}:
+        raise ValueError(f"unexpected entry fields {sorted(item)}")
+    nbytes, sha256 = item["nbytes"], item["sha256"]
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"bad nbytes {shown(nbytes)}")
+    if not is_sha256(sha256):
+        raise ValueError(f"bad sha256 {shown(sha256)}")
+    return ManifestEntry(path=validate_key(item["path"]), nbytes=nbytes, sha256=sha256)

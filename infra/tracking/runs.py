@@ -1,0 +1,122 @@
+"""MLflow tracking: one MLflow run per distill run, resumable without logging a step twice.
+
+The MLflow run is found again by the tag `dmd2.run_id`, so rerunning a distill run continues the same
+MLflow run. Metrics use `step = rollout id`; a (key, step) already in the run is skipped, so rollouts
+replayed after a resume from an earlier checkpoint do not duplicate points.
+"""
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunStatus, RunTag
+
+log = logging.getLogger(__name__)
+
+RUN_ID_TAG = "dmd2.run_id"
+FLOW_RUN_TAG_PREFIX = "prefect.flow_run."  # + flow run id: one tag per distill flow run (the latest also in prefect.flow_run_id)
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
+
+
+def tracking_uri(explicit: str | None = None) -> str:
+    """`explicit`, else $MLFLOW_TRACKING_URI, else a sqlite file in the working directory."""
+    return explicit or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def flatten_params(nested: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"dmd2": {"critic_steps_per_rollout": 5}} -> {"dmd2.critic_steps_per_rollout": "5"}."""
+    flat: dict[str, str] = {}
+    for key, value in nested.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_params(value, prefix=name + "."))
+        else:
+            flat[name] = str(value)[:MAX_PARAM_LENGTH]
+    return flat
+
+
+IMAGE_PREFIX = "image:"
+
+
+def _logged_images(client: MlflowClient, mlflow_run_id: str) -> set[tuple[str, int]]:
+    """(image:key, step) of the images a run holds; MLflow names them `images/<key>+step+<n>+...`."""
+    found = set()
+    for artifact in client.list_artifacts(mlflow_run_id, "images"):
+        parts = Path(artifact.path).name.split("+")
+        if len(parts) > 2 and parts[1] == "step" and parts[2].isdigit():
+            found.add((IMAGE_PREFIX + parts[0], int(parts[2])))
+    return found
+
+
+class RunTracker:
+    """The MLflow run of one distill run."""
+
+    def __init__(self, client: MlflowClient, mlflow_run_id: str, logged: set[tuple[str, int]]):
+        self.client = client
+        self.mlflow_run_id = mlflow_run_id
+        self._logged = logged
+
+    @classmethod
+    def start_or_resume(cls, run_id: str, experiment: str = "dmd2", uri: str | None = None) -> "RunTracker":
+        """Open the MLflow run tagged with `run_id` (creating experiment and run if needed)."""
+        client = MlflowClient(tracking_uri(uri))
+        found = client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+        runs = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}'", max_results=1)
+        if runs:
+            mlflow_run_id = runs[0].info.run_id
+            client.update_run(mlflow_run_id, status="RUNNING")
+            logged = {(key, m.step) for key in runs[0].data.metrics for m in client.get_metric_history(mlflow_run_id, key)}
+            logged |= _logged_images(client, mlflow_run_id)
+            log.info("resuming MLflow run %s (%d metric points already logged)", mlflow_run_id, len(logged))
+        else:
+            mlflow_run_id = client.create_run(experiment_id, tags={RUN_ID_TAG: run_id}, run_name=run_id).info.run_id
+            logged = set()
+        return cls(client, mlflow_run_id, logged)
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log the config once; on a resume the same params are already there and are not sent again."""
+        existing = self.client.get_run(self.mlflow_run_id).data.params
+        fresh = {k: v for k, v in flatten_params(params).items() if k not in existing}
+        changed = {k for k, v in flatten_params(params).items() if k in existing and existing[k] != v}
+        if changed:
+            raise ValueError(f"run was started with other values for {sorted(changed)}; resume with the same "
+                             "recipe, or start a new run id")
+        if fresh:
+            self.client.log_batch(self.mlflow_run_id, params=[Param(k, v) for k, v in fresh.items()])
+
+    def record_flow_run(self, flow_run_id: str, note: str) -> None:
+        """Record a Prefect flow run that wrote to this run: one tag each, so none overwrites another."""
+        self.set_tags({f"{FLOW_RUN_TAG_PREFIX}{flow_run_id}": note, "prefect.flow_run_id": flow_run_id})
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        self.client.log_batch(self.mlflow_run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Log metrics at `step`, skipping any (key, step) the run already has."""
+        now = int(time.time() * 1000)
+        fresh = [Metric(k, float(v), now, step) for k, v in metrics.items() if (k, step) not in self._logged]
+        if fresh:
+            self.client.log_batch(self.mlflow_run_id, metrics=fresh)
+            self._logged.update((m.key, step) for m in fresh)
+
+    def log_image(self, key: str, image: np.ndarray, step: int) -> None:
+        """An image (H x W or H x W x C, uint8 or float in [0, 1]) in the run's image gallery at `step`."""
+        if (IMAGE_PREFIX + key, step) in self._logged:  # a resume replays steps: keep one image per step
+            return
+        self.client.log_image(self.mlflow_run_id, image, key=key, step=step)
+        self._logged.add((IMAGE_PREFIX + key, step))
+
+    def has_artifacts(self, artifact_path: str) -> bool:
+        return bool(self.client.list_artifacts(self.mlflow_run_id, artifact_path))
+
+    def log_artifacts(self, local_dir: Path, artifact_path: str) -> None:
+        self.client.log_artifacts(self.mlflow_run_id, str(local_dir), artifact_path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.mlflow_run_id, status=RunStatus.to_string(RunStatus.from_string(status)))

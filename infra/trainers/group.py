@@ -1,0 +1,134 @@
+"""A trainer group: N rank workers (one Ray actor per rank) training one model data-parallel.
+
+Every method runs on all ranks and returns one small value per rank (an `ArtifactRef`, a
+`TrainResult`, a dict of numbers): payloads stay in the artifact store, written and read by the ranks.
+Per-rank inputs are lists indexed by rank; rank i of a later group receives rank i's output of every
+earlier group (`external_data`), which works because both groups share the world size and the
+rollout's shard layout.
+"""
+
+import logging
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from dmd2.family import RunSpec
+from infra.trainers.cluster import RankResources
+from infra.trainers.hooks import resolve_hooks
+from infra.trainers.rank import EvalResult, RankWorker, TrainResult
+from infra.store import ArtifactRef, ArtifactStore
+from infra.trainers.configs import TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EvalResult", "TrainerGroup", "TrainResult"]
+
+
+class TrainerGroup:
+    """``world_size`` ranks of ``trainer.role``, joined by torch.distributed and ready to train.
+
+    ``placement`` puts rank i on bundle i of a placement group (shared with the other groups to
+    colocate them); without it Ray schedules each rank by ``resources`` alone.
+    """
+
+    def __init__(self, trainer: TrainerConfig, spec: RunSpec, store: ArtifactStore, world_size: int,
+                 resources: RankResources = RankResources(), placement: PlacementGroup | None = None,
+                 num_threads: int = 1):
+        if world_size != spec.config.train.world_size:
+            raise ValueError(f"a {trainer.role} group of world size {world_size} cannot run a rollout planned for "
+                             f"[train] world_size = {spec.config.train.world_size}: make them equal")
+        resolve_hooks(trainer.hooks, trainer.role)  # a bad hook path fails here, before any rank worker starts
+        self.role, self.world_size, self.store = trainer.role, world_size, store
+        worker = ray.remote(RankWorker)
+        self.ranks = []
+        for rank in range(world_size):
+            strategy = (PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank)
+                        if placement is not None else "DEFAULT")
+            options = dict(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
+                           resources=dict(resources.custom), scheduling_strategy=strategy)
+            self.ranks.append(worker.options(**options).remote(trainer, spec, store, rank, world_size, num_threads))
+        master_addr, master_port = ray.get(self.ranks[0].master_address.remote())
+        ray.get([r.setup.remote(master_addr, master_port) for r in self.ranks])
+        logger.info("%s group ready: %d ranks, rendezvous %s:%d", self.role, world_size, master_addr, master_port)
+
+    def _each(self, method: str, *shared: Any, **per_rank: list[Any]) -> list[Any]:
+        """Call ``method(*shared, **{name: values[i]})`` on every rank i and wait for all."""
+        for name, values in per_rank.items():
+            if len(values) != self.world_size:
+                raise ValueError(f"{self.role}.{method}: {name} has {len(values)} entries for "
+                                 f"{self.world_size} ranks (one per rank)")
+        calls = [getattr(r, method).remote(*shared, **{name: values[i] for name, values in per_rank.items()})
+                 for i, r in enumerate(self.ranks)]
+        return ray.get(calls)
+
+    def rollout(self, run_id: str, rollout_id: int) -> list[ArtifactRef]:
+        """Each rank's backward-simulated student samples (RolloutSamples)."""
+        return self._each("rollout", run_id, rollout_id)
+
+    def convert(self, run_id: str, rollout_id: int, samples: list[ArtifactRef]) -> list[ArtifactRef]:
+        """Each rank's samples as train pairs (TrainPairs)."""
+        return self._each("convert", run_id, rollout_id, samples=samples)
+
+    def train(self, run_id: str, rollout_id: int, pairs: list[ArtifactRef],
+              external_data: dict[str, list[ArtifactRef]] | None = None) -> list[TrainResult]:
+        """The group's optimizer steps of one rollout; rank i sees ``{role: refs[i]}`` of ``external_data``."""
+        external = external_data or {}
+        if self.role in external:
+            raise ValueError(f"the {self.role} group cannot receive its own output as external_data")
+        per_rank = [{role: refs[i] for role, refs in external.items()} for i in range(self.world_size)]
+        for role, refs in external.items():
+            if len(refs) != self.world_size:
+                raise ValueError(f"external_data[{role!r}] has {len(refs)} refs for {self.world_size} ranks: "
+                                 "groups of one rollout must share the world size")
+        return self._each("train", run_id, rollout_id, pairs=pairs, external_data=per_rank)
+
+    def score(self, run_id: str, rollout_id: int, kept: list[ArtifactRef], pairs: list[ArtifactRef]) -> list[ArtifactRef]:
+        """The teacher's scores of each rank's kept scoring inputs (Scores)."""
+        return self._each("score", run_id, rollout_id, kept=kept, pairs=pairs)
+
+    def sleep(self) -> list[dict[str, int]]:
+        """Weights and optimizer state leave the accelerator (every stage wakes the group on use)."""
+        return self._each("sleep")
+
+    def wake(self) -> list[None]:
+        return self._each("wake")
+
+    def save(self, run_id: str, step: int, linked: dict[str, ArtifactRef] | None = None) -> list[ArtifactRef]:
+        """Checkpoint at ``<run_id>/<checkpoint_dir>/<step>``; every rank returns the same ref."""
+        return self._each("save", run_id, step, linked)
+
+    def load(self, checkpoint: ArtifactRef) -> list[dict[str, ArtifactRef]]:
+        """Load a checkpoint of this role on every rank; returns the linked checkpoints' refs per rank."""
+        return self._each("load", checkpoint)
+
+    def evaluate(self, run_id: str, step: int, with_baselines: bool = False) -> EvalResult:
+        """The family's evaluation of the group's model, run on rank 0 (every rank takes part)."""
+        return self._each("evaluate", run_id, step, with_baselines)[0]
+
+    def export(self, run_id: str, step: int, card: dict[str, Any]) -> ArtifactRef:
+        """The family's export of the group's model at ``<run_id>/student/<step>`` in the store."""
+        return self._each("export", run_id, step, card)[0]
+
+    def export_weights(self, key: str) -> list[ArtifactRef]:
+        """The model's state dict stored at ``key`` by rank 0; every rank returns the ref."""
+        return self._each("export_weights", key)
+
+    def state_digests(self) -> list[str]:
+        return self._each("state_digest")
+
+    def device_memory(self) -> list[int]:
+        return self._each("device_memory")
+
+    def node_ids(self) -> list[str]:
+        return self._each("node_id")
+
+    def shutdown(self) -> None:
+        """Leave the process group and end the rank workers."""
+        try:
+            ray.get([r.shutdown.remote() for r in self.ranks], timeout=60)
+        finally:
+            for rank in self.ranks:
+                ray.kill(rank)
+            self.ranks = []

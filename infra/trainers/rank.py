@@ -1,0 +1,325 @@
+"""One rank of a trainer group: a rank worker (run as a Ray actor) holding its share of a data-parallel model.
+
+`RankWorker` is plain Python; `infra.trainers.group.TrainerGroup` runs one per rank as a Ray actor and joins
+them with torch.distributed (gloo on CPU, nccl on CUDA). The model is wrapped in DDP (see
+`parallelize`); forwards without grad (rollout, scoring) run on the unwrapped module, so ranks may
+make different numbers of them without a collective falling out of step.
+
+Every public method takes and returns `ArtifactRef`s (or small dicts of numbers): payloads are
+read from and written to the artifact store here, on the rank, never by the driver.
+"""
+
+import hashlib
+import logging
+import os
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dmd2.convert import samples_to_train_pairs
+from dmd2.family import RunSpec
+from dmd2.hooks import score
+from dmd2.model import VelocityFn
+from dmd2.plan import RolloutPlan, rollout_plan
+from dmd2.rollout import rollout_shard
+from dmd2.trainer import HookContext, train_state, train_steps
+from infra.store import keys as store_keys
+from infra.trainers.hooks import resolve_hooks
+from infra.trainers.offload import HostCopy, module_tensors, optimizer_tensors, own_storage
+from infra.trainers.payloads import get_record, put_record
+from infra.store import ArtifactRef, ArtifactStore
+from infra.trainers.checkpoint import read_state, rng_state, write_state
+from infra.trainers.configs import TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One rank's result of `train`: its output's ref (None without a train_output) and step metrics."""
+
+    output: ArtifactRef | None
+    metrics: tuple[dict[str, float], ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Rank 0's evaluation of the student: its scores, its media in the store, and (when asked) the
+    family's baseline rows scored the same way."""
+
+    scores: dict[str, float]
+    media: ArtifactRef | None
+    baselines: list[tuple[str, dict[str, float]]] | None = None
+
+
+def free_port() -> int:
+    """A TCP port free on this node now (the OS picks it), for torch.distributed's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def checkpoint_key(run_id: str, checkpoint_dir: str, step: int) -> str:
+    """``<run_id>/<checkpoint_dir>/<step>``: the actor's default dir gives the store's `checkpoint_key`."""
+    return store_keys.validate_key(f"{run_id}/{checkpoint_dir}/{int(step)}")
+
+
+def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
+    """The data-parallel wrapper: DDP, which averages gradients over ranks in backward.
+
+    Not FSDP2 (whose `fully_shard` does run on gloo/CPU): it all-gathers the weights in every forward, and
+    the backward-simulated rollout makes a rank-dependent number of no-grad forwards, which would leave
+    the collectives out of step; sleep and checkpoints would also need DTensor-aware state handling.
+    """
+    ids = [device.index or 0] if device.type == "cuda" else None
+    # No buffer sync in forward: it would be a collective in every forward (buffers are synced at init).
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+
+
+class OnDevice:
+    """A velocity fn whose model lives on ``device``: inputs go there, the velocity comes back.
+
+    The rollout draws its noise on the CPU, so on CUDA the model's inputs must move.
+    """
+
+    def __init__(self, velocity: VelocityFn, device: torch.device):
+        self.velocity, self.device = velocity, device
+
+    def __call__(self, x_s: Tensor, sigma: Tensor, cond: dict[str, Tensor]) -> Tensor:
+        if self.device.type == "cpu":
+            return self.velocity(x_s, sigma, cond)
+        cond = {k: v.to(self.device) for k, v in cond.items()}
+        return self.velocity(x_s.to(self.device), sigma.to(self.device), cond).to(x_s.device)
+
+
+class RankWorker:
+    """Rank ``rank`` of the group of ``trainer.role``; call `setup` on every rank before anything else."""
+
+    def __init__(self, trainer: TrainerConfig, spec: RunSpec, store: ArtifactStore, rank: int,
+                 world_size: int, num_threads: int = 1):
+        # Several ranks share the node's cores: one thread each unless configured otherwise.
+        torch.set_num_threads(num_threads)
+        logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {trainer.role}[{rank}] %(name)s: %(message)s")
+        self.trainer, self.spec, self.store = trainer, spec, store
+        self.rank, self.world_size = rank, world_size
+        self.hooks = resolve_hooks(trainer.hooks, trainer.role)
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.rollouts_trained = 0
+        self.optimizer_steps = 0
+        self._evaluator = None
+        self._sleeping, self._teacher_host = HostCopy(), HostCopy()
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def master_address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it (asked of rank 0 only)."""
+        import ray  # only the rendezvous needs Ray; the rest of the rank is plain torch
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """Join the group's process group and load the models (the teacher parked on the host)."""
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(minutes=10))
+        # Checkpoint metadata travels between ranks as Python objects: on a CPU group, whatever the backend.
+        self._objects = dist.new_group(backend="gloo") if backend == "nccl" else None
+        family = self.spec.family
+        model = own_storage(family.load_model(self.trainer.init).to(self.device))
+        self.state = train_state(parallelize(model, self.device), self.trainer.lr, self.spec.config, family.velocity)
+        self.state.velocity = OnDevice(self.state.velocity, self.device)
+        self.teacher = None
+        if self.trainer.teacher is not None:
+            self.teacher = own_storage(family.load_model(self.trainer.teacher).to(self.device)).eval().requires_grad_(False)
+            self._teacher_host.offload(module_tensors(self.teacher))  # on the device only while scoring
+        logger.info("ready: %s from %s on %s (%s)", self.trainer.role, self.trainer.init, self.device, backend)
+
+    @property
+    def module(self) -> nn.Module:
+        """The unwrapped model (a diffusers model)."""
+        return self.state.model.module
+
+    def plan(self, rollout_id: int) -> RolloutPlan:
+        return rollout_plan(self.spec.config, rollout_id, self.spec.sample_shape)
+
+    def _ctx(self, rollout_id: int, external_data: dict[str, Any] | None = None) -> HookContext:
+        return HookContext(self.plan(rollout_id), self.spec.config.dmd2, self.rank, external_data or {})
+
+    # -- the rollout's stages ------------------------------------------------------------------
+
+    def rollout(self, run_id: str, rollout_id: int) -> ArtifactRef:
+        """This rank's backward-simulated samples -> ``rollout-<n>/rollout/rank-<r>``."""
+        self.wake()
+        student = OnDevice(self.spec.family.velocity(self.module), self.device)
+        samples = rollout_shard(student, self.spec.conds, self.plan(rollout_id), self.rank)
+        return put_record(self.store, run_id, rollout_id, "rollout", self.rank, samples)
+
+    def convert(self, run_id: str, rollout_id: int, samples: ArtifactRef) -> ArtifactRef:
+        """One train pair per sample -> ``rollout-<n>/convert/rank-<r>``."""
+        pairs = samples_to_train_pairs(get_record(self.store, samples), self.spec.config.student.num_steps)
+        return put_record(self.store, run_id, rollout_id, "convert", self.rank, pairs)
+
+    def train(self, run_id: str, rollout_id: int, pairs: ArtifactRef,
+              external_data: dict[str, ArtifactRef] | None = None) -> TrainResult:
+        """``steps_per_rollout`` optimizer steps; the train_output goes to ``rollout-<n>/<role>-train``.
+
+        ``external_data`` maps an earlier group's role to the ref of its paired rank's output; the hooks
+        see the loaded records as ``ctx.external_data[<role>]``.
+        """
+        self.wake()
+        loaded = {role: get_record(self.store, ref) for role, ref in (external_data or {}).items()}
+        ctx = self._ctx(rollout_id, loaded)
+        metrics, output = train_steps(self.state, self.hooks, ctx, get_record(self.store, pairs),
+                                      self.trainer.steps_per_rollout)
+        self.rollouts_trained += 1
+        self.optimizer_steps += len(metrics)
+        ref = None
+        if output is not None:
+            ref = put_record(self.store, run_id, rollout_id, f"{self.trainer.role}-train", self.rank, output)
+        return TrainResult(ref, tuple(metrics))
+
+    def score(self, run_id: str, rollout_id: int, kept: ArtifactRef, pairs: ArtifactRef) -> ArtifactRef:
+        """The teacher's x0_real at the kept x_s -> ``rollout-<n>/score/rank-<r>`` (Scores)."""
+        if self.teacher is None:
+            raise RuntimeError(f"the {self.trainer.role} group holds no teacher; score on the critic group")
+        self.wake()
+        self._teacher_host.restore()
+        try:
+            teacher = OnDevice(self.spec.family.velocity(self.teacher), self.device)
+            scores = score(teacher, get_record(self.store, kept), get_record(self.store, pairs), self._ctx(rollout_id))
+        finally:
+            self._teacher_host.offload(module_tensors(self.teacher))  # docs/architecture.md §1 step 4: offloaded after scoring
+        return put_record(self.store, run_id, rollout_id, "score", self.rank, scores)
+
+    # -- sleep / wake --------------------------------------------------------------------------
+
+    def sleep(self) -> dict[str, int]:
+        """Weights and optimizer state leave the accelerator (the teacher already has); idempotent."""
+        if self._sleeping.parked:
+            return {"offloaded_bytes": 0}
+        moved = self._sleeping.offload(module_tensors(self.module) + optimizer_tensors(self.state.optimizer))
+        return {"offloaded_bytes": moved}
+
+    def wake(self) -> None:
+        """Bring back what `sleep` moved, bit for bit; a no-op when awake. Every stage wakes on use."""
+        if self._sleeping.parked:
+            self._sleeping.restore()
+
+    def device_memory(self) -> int:
+        """Bytes the rank's tensors occupy on its accelerator now (0 on CPU)."""
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    # -- checkpoints and inspection ------------------------------------------------------------
+
+    def save(self, run_id: str, step: int, linked: dict[str, ArtifactRef] | None = None) -> ArtifactRef:
+        """All ranks call; rank 0 stores ``<run_id>/<checkpoint_dir>/<step>`` (atomic). Returns its ref.
+
+        ``linked`` (e.g. the critic checkpoint of the same step) is recorded in ``checkpoint.json``, so
+        one visible checkpoint finds the rest.
+        """
+        self.wake()
+        rng_states: list[Any] = [None] * self.world_size
+        dist.all_gather_object(rng_states, rng_state(), group=self._objects)
+        ref = None
+        if self.rank == 0:
+            info = {"role": self.trainer.role, "step": step, "world_size": self.world_size,
+                    "rollouts_trained": self.rollouts_trained, "optimizer_steps": self.optimizer_steps,
+                    "linked": {role: r.to_dict() for role, r in (linked or {}).items()}}
+            with tempfile.TemporaryDirectory() as tmp:
+                write_state(Path(tmp), self.module, self.state.optimizer, self.state.scheduler, rng_states, info)
+                ref = self.store.put_dir(checkpoint_key(run_id, self.trainer.checkpoint_dir, step), tmp)
+        return self._from_rank0(ref)
+
+    def load(self, checkpoint: ArtifactRef) -> dict[str, ArtifactRef]:
+        """Load a checkpoint of this role in place (every rank); returns its linked checkpoints' refs."""
+        self.wake()
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = self.store.get_dir(checkpoint, Path(tmp) / "checkpoint")
+            info = read_state(folder, self.module, self.state.optimizer, self.state.scheduler, self.rank)
+        if info["role"] != self.trainer.role:
+            raise ValueError(f"{checkpoint.uri} is a {info['role']!r} checkpoint; load it into the "
+                             f"{info['role']} group, not the {self.trainer.role} group")
+        if info["world_size"] != self.world_size:
+            logger.warning("checkpoint from world size %d loaded at %d: RNG states of new ranks are fresh",
+                           info["world_size"], self.world_size)
+        self.rollouts_trained, self.optimizer_steps = info["rollouts_trained"], info["optimizer_steps"]
+        return {role: ArtifactRef.from_dict(r) for role, r in info["linked"].items()}
+
+    # -- evaluation and export: rank 0 works, every rank takes part (sharded models gather there) --
+
+    def evaluate(self, run_id: str, step: int, with_baselines: bool = False) -> EvalResult:
+        """The family's evaluation of the current student; media go to ``<run_id>/eval/<step>/media``."""
+        self.wake()
+        result = None
+        if self.rank == 0:
+            if self._evaluator is None:  # built on first use: the reference statistics are not cheap
+                self._evaluator = self.spec.family.evaluator(self.spec.config, Path(self.spec.cache_dir))
+            self.module.eval()  # sampled as users sample it
+            try:
+                evaluation = self._evaluator.evaluate(OnDevice(self.spec.family.velocity(self.module), self.device))
+                baselines = self._evaluator.baselines() if with_baselines else None
+            finally:
+                self.module.train()
+            media = {name: torch.from_numpy(np.ascontiguousarray(picture)) for name, picture in evaluation.media.items()}
+            media_ref = self.store.put_tensors(f"{run_id}/eval/{step}/media.safetensors", media) if media else None
+            result = EvalResult(evaluation.scores, media_ref, baselines)
+        return self._from_rank0(result)
+
+    def export(self, run_id: str, step: int, card: dict[str, Any]) -> ArtifactRef:
+        """The family's export of the student (e.g. a diffusers directory) -> ``<run_id>/student/<step>``."""
+        self.wake()
+        ref = None
+        if self.rank == 0:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "student"
+                out.mkdir()
+                self.spec.family.export(self.module, self.spec.config, out, card)
+                ref = self.store.put_dir(f"{run_id}/student/{step}", out)
+        return self._from_rank0(ref)
+
+    def export_weights(self, key: str) -> ArtifactRef:
+        """Rank 0 stores the model's state dict at ``key`` (safetensors); every rank returns the ref."""
+        self.wake()
+        ref = None
+        if self.rank == 0:
+            state = {k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()}
+            ref = self.store.put_tensors(key, state)
+        return self._from_rank0(ref)
+
+    def state_digest(self) -> str:
+        """sha256 of this rank's weights and optimizer state (bitwise comparisons in tests and checks)."""
+        self.wake()
+        digest = hashlib.sha256()
+        optimizer = self.state.optimizer
+        # Canonical order: parameters as the optimizer lists them, each one's state by name.
+        states = [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]]
+        optimizer_state = [state[name] for state in states for name in sorted(state)]
+        for tensor in [*self.module.state_dict().values(), *optimizer_state]:
+            # A copy: exporting a tensor to numpy pins its storage's size for good, and sleep resizes it.
+            digest.update(tensor.detach().cpu().clone().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    def _from_rank0(self, value: Any) -> Any:
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._objects)
+        return box[0]
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,140 @@
+"""One DMD2 rollout on trainer groups, as separately callable stages: refs in, refs out.
+
+    rollout -> convert -> critic-train -> score -> actor-train -> sleep
+
+Each stage is one call on one group and is what one Prefect task will run; `run_rollout_on_groups`
+chains them exactly as `dmd2.loop.run_rollout` does in process. The driver never holds a tensor.
+"""
+
+import logging
+from dataclasses import dataclass
+
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from dmd2.family import RunSpec
+from dmd2.hooks import summarize_critic
+from infra.trainers.cluster import RankResources, rank_placement_group
+from infra.trainers.group import TrainerGroup, TrainResult
+from infra.store import ArtifactRef, ArtifactStore
+from infra.trainers.configs import compute_trainer_configs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Groups:
+    """A run's trainer groups; ``critic`` is None without DMD2."""
+
+    actor: TrainerGroup
+    critic: TrainerGroup | None = None
+    placement: PlacementGroup | None = None
+
+    def in_order(self) -> list[TrainerGroup]:
+        """Training order, as in the trainer config list."""
+        return [g for g in (self.critic, self.actor) if g is not None]  # actor is None only mid-build
+
+    def shutdown(self) -> None:
+        """End every rank and free the placement group's resources."""
+        for group in self.in_order():
+            group.shutdown()
+        if self.placement is not None:
+            remove_placement_group(self.placement)
+
+
+def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources = RankResources(),
+                 strategy: str = "PACK", checkpoint_dir: str = "checkpoints", num_threads: int = 1) -> Groups:
+    """The groups of the trainer config list, colocated: rank i of each on bundle i of one placement group."""
+    trainers = compute_trainer_configs(spec.config, checkpoint_dir)
+    world_size = spec.config.train.world_size
+    placement = rank_placement_group(world_size, resources, groups=len(trainers), strategy=strategy)
+    made: dict[str, TrainerGroup] = {}
+    try:
+        for trainer in trainers:
+            made[trainer.role] = TrainerGroup(trainer, spec, store, world_size, resources, placement, num_threads)
+    except BaseException:
+        Groups(actor=made.get("actor"), critic=made.get("critic"), placement=placement).shutdown()
+        raise
+    return Groups(actor=made["actor"], critic=made.get("critic"), placement=placement)
+
+
+def reduce_over_ranks(results: list[TrainResult]) -> list[dict[str, float]]:
+    """Per step, the mean of each metric over ranks (the maximum for ``*max*`` diagnostics)."""
+    steps = []
+    for per_rank in zip(*(r.metrics for r in results)):
+        steps.append({key: max(m[key] for m in per_rank) if "max" in key else sum(m[key] for m in per_rank) / len(per_rank)
+                      for key in per_rank[0]})
+    return steps
+
+
+# -- the six stages ------------------------------------------------------------------------------
+
+def rollout_stage(groups: Groups, run_id: str, rollout_id: int) -> list[ArtifactRef]:
+    """The student's backward-simulated samples, per actor rank."""
+    return groups.actor.rollout(run_id, rollout_id)
+
+
+def convert_stage(groups: Groups, run_id: str, rollout_id: int, samples: list[ArtifactRef]) -> list[ArtifactRef]:
+    """Train pairs, per rank (on the actor ranks that hold the samples' shard)."""
+    return groups.actor.convert(run_id, rollout_id, samples)
+
+
+def critic_train_stage(groups: Groups, run_id: str, rollout_id: int,
+                       pairs: list[ArtifactRef]) -> tuple[list[ArtifactRef], dict[str, float]]:
+    """K critic steps; returns the kept scoring inputs per rank and the critic's metrics row."""
+    results = groups.critic.train(run_id, rollout_id, pairs)
+    return [r.output for r in results], summarize_critic(reduce_over_ranks(results))
+
+
+def score_stage(groups: Groups, run_id: str, rollout_id: int, kept: list[ArtifactRef],
+                pairs: list[ArtifactRef]) -> list[ArtifactRef]:
+    """The teacher's scores of the critic's last-step samples, per critic rank."""
+    return groups.critic.score(run_id, rollout_id, kept, pairs)
+
+
+def actor_train_stage(groups: Groups, run_id: str, rollout_id: int, pairs: list[ArtifactRef],
+                      scores: list[ArtifactRef]) -> dict[str, float]:
+    """One student step; actor rank i reads critic rank i's scores as ``external_data["critic"]``."""
+    results = groups.actor.train(run_id, rollout_id, pairs, external_data={"critic": scores})
+    return reduce_over_ranks(results)[0]
+
+
+def sleep_stage(group: TrainerGroup) -> None:
+    """Put a group to sleep after its last use in the rollout (it wakes on its next stage)."""
+    group.sleep()
+
+
+def run_rollout_on_groups(groups: Groups, run_id: str, rollout_id: int) -> dict[str, float]:
+    """One DMD2 rollout; returns the actor's metrics and the critic's summary (as `dmd2.loop.run_rollout`)."""
+    if groups.critic is None:
+        raise ValueError("a DMD2 rollout needs a critic group: build the groups with [train] loss_type = 'dmd2'")
+    samples = rollout_stage(groups, run_id, rollout_id)
+    pairs = convert_stage(groups, run_id, rollout_id, samples)
+    kept, critic_metrics = critic_train_stage(groups, run_id, rollout_id, pairs)
+    scores = score_stage(groups, run_id, rollout_id, kept, pairs)
+    sleep_stage(groups.critic)
+    actor_metrics = actor_train_stage(groups, run_id, rollout_id, pairs, scores)
+    sleep_stage(groups.actor)
+    return actor_metrics | critic_metrics
+
+
+# -- checkpoints of all groups -------------------------------------------------------------------
+
+def save_groups(groups: Groups, run_id: str, step: int) -> ArtifactRef:
+    """Checkpoint every group at ``step``; the actor's, written last, links the critic's.
+
+    The actor's checkpoint is at the store's ``checkpoint_key(run_id, step)``, so
+    ``store.latest_checkpoint(run_id)`` finds a step whose every group's checkpoint is complete.
+    """
+    linked = {}
+    if groups.critic is not None:
+        linked["critic"] = groups.critic.save(run_id, step)[0]
+    return groups.actor.save(run_id, step, linked=linked)[0]
+
+
+def load_groups(groups: Groups, checkpoint: ArtifactRef) -> None:
+    """Load the actor's checkpoint ``checkpoint`` and the checkpoints it links into the matching groups."""
+    linked = groups.actor.load(checkpoint)[0]
+    if groups.critic is not None:
+        if "critic" not in linked:
+            raise ValueError(f"{checkpoint.uri} links no critic checkpoint; it was saved without DMD2")
+        groups.critic.load(linked["critic"])

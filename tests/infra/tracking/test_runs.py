@@ -1,0 +1,53 @@
+"""MLflow on sqlite (the real tracking store), no server."""
+
+import numpy as np
+import pytest
+from mlflow import MlflowClient
+
+from infra.tracking.runs import RunTracker, flatten_params, tracking_uri
+
+
+@pytest.fixture
+def uri(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # MLflow puts a sqlite store's artifacts under ./mlruns
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def test_flatten_params():
+    assert flatten_params({"dmd2": {"k": 5, "range": (0.1, 0.9)}, "seed": 0}) == {
+        "dmd2.k": "5", "dmd2.range": "(0.1, 0.9)", "seed": "0"}
+
+
+def test_tracking_uri_default_and_env(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking_uri() == "sqlite:///mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")
+    assert tracking_uri() == "sqlite:///elsewhere.db" and tracking_uri("x") == "x"
+
+
+def test_a_resumed_run_is_the_same_mlflow_run_and_logs_no_step_twice(uri):
+    first = RunTracker.start_or_resume("run-a", uri=uri)
+    first.log_params({"train": {"seed": 0}})
+    for step in range(3):
+        first.log_metrics(step, {"train/loss": float(step)})
+    first.log_image("samples", np.zeros((8, 8), dtype=np.uint8), step=2)
+    first.finish("FAILED")
+
+    again = RunTracker.start_or_resume("run-a", uri=uri)
+    assert again.mlflow_run_id == first.mlflow_run_id
+    again.log_params({"train": {"seed": 0}})
+    for step in range(1, 5):  # replays steps 1 and 2 after a resume from an earlier checkpoint
+        again.log_metrics(step, {"train/loss": 10.0 + step})
+    again.log_image("samples", np.zeros((8, 8), dtype=np.uint8), step=2)
+    again.finish()
+
+    client = MlflowClient(uri)
+    history = client.get_metric_history(first.mlflow_run_id, "train/loss")
+    assert sorted(m.step for m in history) == [0, 1, 2, 3, 4]
+    assert {m.step: m.value for m in history}[2] == 2.0  # the first run's point stays
+    images = [a.path for a in client.list_artifacts(first.mlflow_run_id, "images") if a.path.endswith(".png")]
+    assert len(images) == 1
+    assert client.get_run(first.mlflow_run_id).info.status == "FINISHED"
+    with pytest.raises(ValueError, match="other values for \\['train.seed'\\]"):
+        again.log_params({"train": {"seed": 1}})
+    assert RunTracker.start_or_resume("run-b", uri=uri).mlflow_run_id != first.mlflow_run_id

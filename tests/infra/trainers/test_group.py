@@ -1,0 +1,193 @@
+"""Trainer groups on a real local Ray (infra/trainers/group.py, rank.py, stages.py).
+
+One Ray for the module; every group is built from the tiny teacher and real torch.distributed (gloo).
+"""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from diffusers import AutoModel
+
+from dmd2.loop import InProcessDistiller
+from infra.trainers.cluster import RankResources, rank_placement_group
+from infra.trainers.group import TrainerGroup, TrainResult
+from infra.trainers.hooks import HookError
+from infra.trainers.payloads import get_record
+from infra.trainers.stages import (Groups, actor_train_stage, build_groups, convert_stage, critic_train_stage,
+                                  load_groups, rollout_stage, run_rollout_on_groups, save_groups, score_stage)
+from infra.store import ArtifactRef
+from infra.trainers.configs import HookPaths, compute_trainer_configs
+from tests.infra.trainers.ray_fixtures import run_spec, local_ray, max_abs_diff, new_store, tiny_config, tiny_teacher  # noqa: F401
+
+RUN = "run"
+ROLLOUTS = 2
+
+
+def weights(groups: Groups, store, tag: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Each group's parameters, exported by its rank 0 and read back by the test."""
+    return {g.role: store.get_tensors(g.export_weights(f"{RUN}/exports/{tag}-{g.role}.safetensors")[0])
+            for g in groups.in_order()}
+
+
+def digests(groups: Groups) -> dict[str, list[str]]:
+    return {g.role: g.state_digests() for g in groups.in_order()}
+
+
+def rollout_without_sleep(groups: Groups, run_id: str, rollout_id: int) -> dict[str, float]:
+    """The stages of `run_rollout_on_groups`, called one by one, with no group ever put to sleep."""
+    pairs = convert_stage(groups, run_id, rollout_id, rollout_stage(groups, run_id, rollout_id))
+    kept, critic_metrics = critic_train_stage(groups, run_id, rollout_id, pairs)
+    scores = score_stage(groups, run_id, rollout_id, kept, pairs)
+    return actor_train_stage(groups, run_id, rollout_id, pairs, scores) | critic_metrics
+
+
+@pytest.fixture(scope="module")
+def world1(local_ray, tiny_teacher, tmp_path_factory):
+    """Two rollouts at world size 1."""
+    task = run_spec(tiny_config(tiny_teacher, 1))
+    store = new_store(tmp_path_factory.mktemp("world1"))
+    groups = build_groups(task, store)
+    try:
+        metrics = [run_rollout_on_groups(groups, RUN, r) for r in range(ROLLOUTS)]
+        return {"task": task, "metrics": metrics, "weights": weights(groups, store, "final")}
+    finally:
+        groups.shutdown()
+
+
+@pytest.fixture(scope="module")
+def world2(local_ray, tiny_teacher, tmp_path_factory):
+    """Two rollouts at world size 2 (sleeping each group after use), checkpointed after the first."""
+    task = run_spec(tiny_config(tiny_teacher, 2))
+    store = new_store(tmp_path_factory.mktemp("world2"))
+    groups = build_groups(task, store, RankResources(num_cpus=1))
+    try:
+        metrics = [run_rollout_on_groups(groups, RUN, 0)]
+        after_first = digests(groups)
+        checkpoint = save_groups(groups, RUN, step=1)
+        metrics.append(run_rollout_on_groups(groups, RUN, 1))
+        return {"task": task, "store": store, "metrics": metrics, "checkpoint": checkpoint,
+                "after_first": after_first, "final": digests(groups), "weights": weights(groups, store, "final")}
+    finally:
+        groups.shutdown()
+
+
+def test_world_size_2_makes_the_same_updates_as_world_size_1(world1, world2):
+    for role in ("actor", "critic"):
+        assert max_abs_diff(world1["weights"][role], world2["weights"][role]) <= 1e-5, role
+    for one, two in zip(world1["metrics"], world2["metrics"]):
+        assert one.keys() == two.keys()
+        for key in ("loss", "critic-loss", "grad_norm", "critic-grad_norm"):
+            assert two[key] == pytest.approx(one[key], rel=1e-4), key
+    # DDP keeps the ranks identical.
+    assert all(len(set(ranks)) == 1 for ranks in world2["final"].values())
+
+
+def test_world_size_1_matches_the_in_process_loop(world1, tiny_teacher):
+    task = world1["task"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as on the ranks: the same kernels give the same bits
+    try:
+        distiller = InProcessDistiller.from_models(task.config, AutoModel.from_pretrained(tiny_teacher),
+                                                   task.conds, task.sample_shape)
+        metrics = []
+        distiller.run(range(ROLLOUTS), on_rollout=lambda _, m: metrics.append(m))
+    finally:
+        torch.set_num_threads(threads)
+    assert max_abs_diff(world1["weights"]["actor"], distiller.student.model.state_dict()) <= 1e-5
+    assert max_abs_diff(world1["weights"]["critic"], distiller.critic.model.state_dict()) <= 1e-5
+    for ray_row, loop_row in zip(world1["metrics"], metrics):
+        assert ray_row == pytest.approx(loop_row, rel=1e-5, abs=1e-7)
+
+
+def test_save_load_continue_equals_uninterrupted_and_sleep_changes_nothing(world2):
+    """New groups load the checkpoint after rollout 0 and run rollout 1 without ever sleeping: the result is
+    bitwise the uninterrupted run, which slept every group after each use."""
+    store = world2["store"]
+    assert store.latest_checkpoint(RUN).ref == world2["checkpoint"]
+    groups = build_groups(world2["task"], store, RankResources(num_cpus=1))
+    try:
+        load_groups(groups, store.latest_checkpoint(RUN).ref)
+        assert digests(groups) == world2["after_first"]
+        for group in groups.in_order():
+            assert all(r["offloaded_bytes"] > 0 for r in group.sleep())
+            group.wake()
+        assert digests(groups) == world2["after_first"]
+        metrics = rollout_without_sleep(groups, "resumed", 1)
+        assert digests(groups) == world2["final"]
+        assert metrics == world2["metrics"][1]
+    finally:
+        groups.shutdown()
+
+
+def pairing_group(role: str, task, store, placement) -> TrainerGroup:
+    critic, _ = compute_trainer_configs(task.config)
+    hooks = HookPaths(loss="tests.infra.trainers.pairing_hooks.tiny_loss", prepare="dmd2.hooks.critic_step_pairs",
+                      train_output="tests.infra.trainers.pairing_hooks.rank_output")
+    trainer = dataclasses.replace(critic, role=role, teacher=None, steps_per_rollout=1, hooks=hooks)
+    return TrainerGroup(trainer, task, store, 2, RankResources(num_cpus=1), placement)
+
+
+def only_refs(value) -> bool:
+    """True when ``value`` holds nothing but refs, numbers and strings (no tensor, no record)."""
+    if isinstance(value, (list, tuple)):
+        return all(only_refs(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and only_refs(v) for k, v in value.items())
+    if isinstance(value, TrainResult):
+        return only_refs([value.output, list(value.metrics)])
+    return value is None or isinstance(value, (ArtifactRef, float, int, str))
+
+
+def test_rank_i_receives_rank_i_of_the_earlier_group_through_the_store(tiny_teacher, tmp_path):
+    task = run_spec(tiny_config(tiny_teacher, 2))
+    store = new_store(tmp_path)
+    placement = rank_placement_group(2, RankResources(num_cpus=1), groups=2)
+    groups = Groups(actor=pairing_group("actor", task, store, placement),
+                    critic=pairing_group("critic", task, store, placement), placement=placement)
+    try:
+        pairs = groups.actor.convert(RUN, 0, groups.actor.rollout(RUN, 0))
+        first = groups.critic.train(RUN, 0, pairs)
+        second = groups.actor.train(RUN, 0, pairs, external_data={"critic": [r.output for r in first]})
+        returned = [pairs, first, second]
+    finally:
+        groups.shutdown()
+    assert only_refs(returned)  # the driver held references only
+    for rank, (critic_out, actor_out) in enumerate(zip(first, second)):
+        assert critic_out.output.uri.endswith(f"{RUN}/rollout-0/critic-train/rank-{rank}.safetensors")
+        assert critic_out.metrics[0]["external"] == 0.0 and actor_out.metrics[0]["external"] == 1.0
+        made_first, made_second = get_record(store, critic_out.output), get_record(store, actor_out.output)
+        assert (made_first.x0_real == rank).all() and (made_first.x0_fake == -1).all()  # the first group got {}
+        assert (made_second.x0_real == rank).all() and (made_second.x0_fake == rank).all()  # rank i got rank i's
+        assert int(made_second.sigma[0]) not in (0, os.getpid())  # deserialised on the rank, not here
+
+
+def test_a_hook_path_that_does_not_load_fails_before_any_rank_starts(tiny_teacher):
+    task = run_spec(tiny_config(tiny_teacher, 1))
+    _, actor = compute_trainer_configs(task.config)
+    broken = dataclasses.replace(actor, hooks=dataclasses.replace(actor.hooks, loss="tests.infra.trainers.pairing_hooks.nope"))
+    with pytest.raises(HookError, match="hooks.loss = 'tests.infra.trainers.pairing_hooks.nope'"):
+        TrainerGroup(broken, task, None, 1)
+    with pytest.raises(ValueError, match=r"world size 2 .* \[train\] world_size = 1"):
+        TrainerGroup(actor, task, None, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sleep_frees_accelerator_memory_and_wake_brings_it_back(tiny_teacher, tmp_path):
+    task = run_spec(tiny_config(tiny_teacher, 1))
+    groups = build_groups(task, new_store(tmp_path), RankResources(num_cpus=1, num_gpus=0.5))
+    try:
+        rollout_without_sleep(groups, RUN, 0)  # the optimizers now hold state
+        for group in groups.in_order():
+            awake, before = group.device_memory()[0], group.state_digests()
+            moved = group.sleep()[0]["offloaded_bytes"]
+            asleep = group.device_memory()[0]
+            assert asleep <= awake - moved // 2, (group.role, awake, asleep, moved)
+            group.wake()
+            assert group.device_memory()[0] >= awake - (awake - asleep) // 10
+            assert group.state_digests() == before
+        run_rollout_on_groups(groups, RUN, 1)  # and it still trains
+    finally:
+        groups.shutdown()
