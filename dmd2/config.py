@@ -1,7 +1,7 @@
 """Configuration: one frozen dataclass per concern, every field documented, validated before any work.
 
 A recipe is a TOML file whose sections match the dataclasses: [model], [student], [optim], [dmd2],
-[train], [eval]. Field docs live in `metadata["doc"]`; the option reference page is generated from
+[train], [data], [eval]. Field docs live in `metadata["doc"]`; the option reference page is generated from
 them. Every error names the option and what to change.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dmd2.critic import LOSS_SPACES
+from dmd2.critic import LOSS_SPACES, SIGMA_SAMPLINGS
 from dmd2.scoring import CRITIC_SCORING_MODES
 
 LOSS_TYPES = ("dmd2", "flow_matching")
@@ -42,8 +42,13 @@ class StudentConfig:
     """The student's few-step sampler."""
 
     num_steps: int = option(4, "N, the student's steps: grid [1, (N-1)/N, ..., 1/N] before the shift.")
-    shift: float = option(1.0, "Time shift of the student's grid (SD3's shift; 1 = none).")
+    shift: float | None = option(None, "Time shift of the student's grid; default: the teacher's (SD3: its "
+                                       "scheduler's `shift`; digits: 1, none).")
     guidance_scale: float = option(1.0, "CFG of the student's rollouts; DMD2 students are unguided (1).")
+
+    @property
+    def grid_shift(self) -> float:
+        return 1.0 if self.shift is None else self.shift
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,16 @@ class DMD2Config:
     critic_scoring: str = option(
         "fused", "`fused`: score from the critic's last training forward; `original`: separate draw before it."
     )
-    sigma_shift: float = option(1.0, "Shift of the critic's training sigma distribution (the teacher's).")
+    sigma_shift: float | None = option(None, "Shift of the critic's training sigmas; default: the teacher's "
+                                             "(SD3: its scheduler's `shift`; digits: 1, none).")
+    critic_sigma_sampling: str = option(
+        "uniform", "The critic's training sigmas before the shift: `uniform`, or `logit_normal` (SD3's own "
+        "training distribution, Esser et al. 2024, sigmoid of a standard normal)."
+    )
+
+    @property
+    def critic_shift(self) -> float:
+        return 1.0 if self.sigma_shift is None else self.sigma_shift
 
 
 @dataclass(frozen=True)
@@ -93,11 +107,26 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class EvalConfig:
-    """Evaluation of the student (the built-in digits evaluator)."""
+class DataConfig:
+    """Where a text-to-image family's prompts come from (the digits family draws class labels instead)."""
 
-    num_samples: int = option(1000, "Samples generated per evaluation (balanced over classes).")
-    reference_steps: int = option(32, "Euler steps of the teacher's reference samples (fidelity FD).")
+    prompts: str = option("", "Training prompts: a text file (one a line) or JSONL with a `prompt` field.")
+    negative_prompt: str = option("", "The negative prompt of the teacher's CFG (default: the empty prompt).")
+    resolution: int = option(0, "Image side in pixels; 0: the pipeline's default (the transformer's sample "
+                                "size times the VAE's scale factor).")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation of the student (the family's: the digits yardstick, or SD3's sample grid)."""
+
+    num_samples: int = option(1000, "Digits: samples generated per evaluation (balanced over classes).")
+    reference_steps: int = option(32, "Euler steps of the teacher's reference samples (digits: fidelity FD; "
+                                      "SD3: the teacher's grid).")
+    prompts: tuple[str, ...] = option((), "SD3: the fixed prompts of the sample grid; default: the first four "
+                                          "of [data] prompts.")
+    clip_model: str = option("", "SD3: a transformers CLIPModel directory (or hub id); set, the mean CLIP "
+                                 "score of the student's eval samples is logged too.")
 
 
 @dataclass(frozen=True)
@@ -109,6 +138,7 @@ class DistillConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     dmd2: DMD2Config | None = field(default_factory=DMD2Config)
     train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
@@ -123,13 +153,20 @@ class DistillConfig:
         """B: samples per critic step per rank (the actor trains on the last B of each rank's shard)."""
         return self.train.rollout_batch_size // self.train.world_size // self.dmd2.critic_steps_per_rollout
 
+    def with_teacher_shift(self, shift: float) -> "DistillConfig":
+        """Unset shifts (the student's grid, the critic's sigmas) become the teacher's `shift`."""
+        config = self if self.student.shift is not None else self.replace("student", shift=shift)
+        if config.dmd2 is not None and config.dmd2.sigma_shift is None:
+            config = config.replace("dmd2", sigma_shift=shift)
+        return config
+
     def replace(self, section: str, **changes: Any) -> "DistillConfig":
         """A copy with some options of one section changed (validated again)."""
         return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **changes)})
 
 
 SECTION_TYPES = {"model": ModelConfig, "student": StudentConfig, "optim": OptimConfig,
-                 "dmd2": DMD2Config, "train": TrainConfig, "eval": EvalConfig}
+                 "dmd2": DMD2Config, "train": TrainConfig, "data": DataConfig, "eval": EvalConfig}
 
 
 def _type_error(annotation: Any, value: Any) -> str | None:
@@ -145,6 +182,8 @@ def _type_error(annotation: Any, value: Any) -> str | None:
             return None
         if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
             kinds = typing.get_args(option)
+            if len(kinds) == 2 and kinds[1] is Ellipsis:
+                kinds = (kinds[0],) * len(value)
             if len(value) == len(kinds) and all(_type_error(k, v) is None for k, v in zip(kinds, value)):
                 return None
     names = " or ".join(getattr(o, "__name__", str(o)).replace("NoneType", "unset") for o in options)
@@ -238,7 +277,7 @@ def _validate(config: DistillConfig) -> None:
     train, optim, student = config.train, config.optim, config.student
     _check(train.loss_type in LOSS_TYPES, f"[train] loss_type must be one of {LOSS_TYPES}, got {train.loss_type!r}")
     _check(student.num_steps >= 1, f"[student] num_steps must be >= 1, got {student.num_steps}")
-    _check(student.shift > 0, f"[student] shift must be > 0, got {student.shift}")
+    _check(student.shift is None or student.shift > 0, f"[student] shift must be > 0, got {student.shift}")
     _check(optim.lr > 0, f"[optim] lr must be > 0, got {optim.lr}")
     _check(optim.critic_lr is None or optim.critic_lr > 0, f"[optim] critic_lr must be > 0, got {optim.critic_lr}")
     _check(len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas),
@@ -248,6 +287,8 @@ def _validate(config: DistillConfig) -> None:
     _check(train.world_size >= 1, f"[train] world_size must be >= 1, got {train.world_size}")
     _check(train.save_interval >= 0 and train.eval_interval >= 0,
            "[train] save_interval and eval_interval must be >= 0 (0: only at the end)")
+    _check(config.data.resolution >= 0, f"[data] resolution must be >= 0 (0: the model's default), got "
+                                         f"{config.data.resolution}")
     _check(train.keep_rollouts >= 0,
            f"[train] keep_rollouts must be >= 0 (0: delete each rollout's artifacts once it is done), "
            f"got {train.keep_rollouts}")
@@ -288,4 +329,6 @@ def _validate_dmd2(config: DistillConfig) -> None:
            f"[dmd2] critic_loss_space must be one of {LOSS_SPACES}, got {dmd2.critic_loss_space!r}")
     _check(dmd2.critic_scoring in CRITIC_SCORING_MODES,
            f"[dmd2] critic_scoring must be one of {CRITIC_SCORING_MODES}, got {dmd2.critic_scoring!r}")
-    _check(dmd2.sigma_shift > 0, f"[dmd2] sigma_shift must be > 0, got {dmd2.sigma_shift}")
+    _check(dmd2.sigma_shift is None or dmd2.sigma_shift > 0, f"[dmd2] sigma_shift must be > 0, got {dmd2.sigma_shift}")
+    _check(dmd2.critic_sigma_sampling in SIGMA_SAMPLINGS,
+           f"[dmd2] critic_sigma_sampling must be one of {SIGMA_SAMPLINGS}, got {dmd2.critic_sigma_sampling!r}")

@@ -14,6 +14,7 @@ from dmd2.model import Cond, VelocityFn
 from dmd2.schedule import add_noise, shift_sigma, velocity_target, x0_from_velocity
 
 LOSS_SPACES = ("velocity", "x0")
+SIGMA_SAMPLINGS = ("uniform", "logit_normal")
 
 
 @dataclass(frozen=True)
@@ -26,14 +27,26 @@ class ScoringInputs:
     sample_index: Tensor
 
 
-def training_sigma(u: Tensor, shift: float, sigma_range: tuple[float, float] = (0.0, 1.0)) -> Tensor:
-    """Map uniform draws u [B] to training sigmas: uniform in `sigma_range`, then the time shift.
+def training_sigma(u: Tensor, shift: float, sigma_range: tuple[float, float] = (0.0, 1.0),
+                   sampling: str = "uniform") -> Tensor:
+    """Map uniform draws u [B] to training sigmas inside `sigma_range`, then the time shift.
 
+    `uniform`: sigma = low + (high - low) u. `logit_normal` (Esser et al. 2024, eq. 19, m = 0, s = 1):
+    sigma = sigmoid(n) with n ~ N(0, 1), drawn by inverse CDF from u restricted to the range, i.e.
+    sigma = sigmoid(Phi^-1(Phi(logit low) + (Phi(logit high) - Phi(logit low)) u)).
     The range bounds the unshifted sigma (FastGen's min_t..max_t convention), so a scoring range of
     (0.02, 0.98) means the same noise levels whatever the shift.
     """
     low, high = sigma_range
-    return shift_sigma(low + (high - low) * u, shift)
+    if sampling == "uniform":
+        unshifted = low + (high - low) * u
+    elif sampling == "logit_normal":
+        bounds = torch.special.ndtr(torch.logit(torch.tensor([low, high], dtype=torch.float64)))
+        p = bounds[0] + (bounds[1] - bounds[0]) * u.double()
+        unshifted = torch.sigmoid(torch.special.ndtri(p)).to(u.dtype)
+    else:
+        raise ValueError(f"sigma sampling must be one of {SIGMA_SAMPLINGS}, got {sampling!r}")
+    return shift_sigma(unshifted, shift)
 
 
 def flow_matching_loss(
@@ -67,6 +80,7 @@ def critic_loss(
     shift: float,
     loss_space: str,
     score_sigma_range: tuple[float, float] | None,
+    sampling: str = "uniform",
 ) -> tuple[Tensor, ScoringInputs | None]:
     """One critic step's loss on the student's detached x0_hat; keeps scoring inputs on the last step.
 
@@ -76,7 +90,7 @@ def critic_loss(
     Returns (scalar loss, ScoringInputs or None).
     """
     keeps = score_sigma_range is not None
-    sigma = training_sigma(u, shift, score_sigma_range if keeps else (0.0, 1.0))
+    sigma = training_sigma(u, shift, score_sigma_range if keeps else (0.0, 1.0), sampling)
     per_sample, x_s, v = flow_matching_loss(critic, x0_hat.detach(), cond, sigma, eps, loss_space)
     kept = None
     if keeps:

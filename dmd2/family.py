@@ -9,8 +9,11 @@ The recipe names the family (`[model] family`), or the family is inferred from t
 
 Where each part runs:
     driver, before any server   `check`, `resolve` (e.g. pretrain and cache a built-in teacher),
-                                `run_spec` (cheap: reads model configs, never weights)
-    a rank of a trainer group   `load_model`, `velocity`, `evaluator` (rank 0), `export` (rank 0)
+                                `run_spec`, `prepared_key` (cheap: read configs and files, never weights)
+    a Ray worker, once per run  `prepare` (e.g. encode the prompts); the result is stored under
+                                `prepared_key` and reused by later runs with the same inputs
+    a rank of a trainer group   `bind` (the prepared inputs), `load_model`, `velocity`,
+                                `evaluator` (rank 0), `export` (rank 0)
 """
 
 import argparse
@@ -22,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol
 
 import numpy as np
-from torch import nn
+from torch import Tensor, nn
 
 from dmd2.conditioning import CondSource
 from dmd2.config import ConfigError, DistillConfig, ModelConfig
@@ -31,6 +34,7 @@ from dmd2.model import DiffusersVelocity, VelocityFn
 # name -> "package.module:Class"; resolved lazily so that choosing one family never imports the others.
 FAMILIES = {
     "digits": "dmd2.families.digits.family:DigitsFamily",
+    "sd3": "dmd2.families.sd3.family:SD3Family",
 }
 
 
@@ -56,6 +60,9 @@ class Evaluator(Protocol):
     def baselines(self) -> list[tuple[str, dict[str, float]]]:
         """Reference rows scored the same way (e.g. the teacher at many and at few steps)."""
 
+    def reference_media(self) -> dict[str, np.ndarray]:
+        """Pictures logged once at the start, beside the student's (e.g. the teacher's own grid)."""
+
 
 @dataclass(frozen=True)
 class Command:
@@ -78,6 +85,8 @@ class RunSpec:
     sample_shape: tuple[int, ...]
     conds: CondSource
     cache_dir: str
+    # Where the family's prepared inputs are (a store reference, opaque here); None when it needs none.
+    prepared: Any = None
 
 
 class ModelFamily:
@@ -111,6 +120,18 @@ class ModelFamily:
     def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
         raise NotImplementedError
 
+    def prepared_key(self, config: DistillConfig) -> str | None:
+        """A digest naming what `prepare` makes from this config (its inputs' contents), or None if nothing."""
+        return None
+
+    def prepare(self, config: DistillConfig) -> dict[str, dict[str, Tensor]]:
+        """The once-per-run inputs, as named tensor tables (e.g. the encoded prompts)."""
+        raise NotImplementedError
+
+    def bind(self, prepared: dict[str, dict[str, Tensor]]) -> "ModelFamily":
+        """This family holding the prepared inputs (on the ranks, before any model call)."""
+        return self
+
     def load_model(self, path: str) -> nn.Module:
         """The component that trains (and the frozen teacher's), loaded from a directory or hub id."""
         raise NotImplementedError
@@ -123,7 +144,9 @@ class ModelFamily:
         raise NotImplementedError
 
     def export(self, student: nn.Module, config: DistillConfig, out_dir: Path, card: dict[str, Any]) -> None:
-        """Write the student into the empty directory `out_dir` so that users load it with diffusers."""
+        """Write the student into `out_dir` (which does not exist yet) so that users load it with diffusers.
+
+        `card`: teacher, recipe, run_id, rollouts, scores (the last evaluation's)."""
         raise NotImplementedError
 
 

@@ -42,15 +42,15 @@ def critic_loss_hook(
             critic, batch.x0, batch.cond, batch.sample_index,
             draws.normal("score/noise", batch.sample_index, plan.sample_shape),
             draws.uniform("score/sigma", batch.sample_index),
-            shift=dmd2.sigma_shift, score_sigma_range=dmd2.score_sigma_range,
+            shift=dmd2.critic_shift, score_sigma_range=dmd2.score_sigma_range, sampling=dmd2.critic_sigma_sampling,
         )
     fused = last and dmd2.critic_scoring == "fused"
     loss, fused_kept = critic_loss(
         critic, batch.x0, batch.cond, batch.sample_index,
         draws.normal("critic/noise", batch.sample_index, plan.sample_shape),
         draws.uniform("critic/sigma", batch.sample_index),
-        shift=dmd2.sigma_shift, loss_space=dmd2.critic_loss_space,
-        score_sigma_range=dmd2.score_sigma_range if fused else None,
+        shift=dmd2.critic_shift, loss_space=dmd2.critic_loss_space,
+        score_sigma_range=dmd2.score_sigma_range if fused else None, sampling=dmd2.critic_sigma_sampling,
     )
     return loss, {}, fused_kept if fused else kept
 

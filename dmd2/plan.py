@@ -34,5 +34,5 @@ def rollout_plan(config: DistillConfig, rollout_id: int, sample_shape: tuple[int
         batch=config.critic_batch_size,
         sample_shape=tuple(sample_shape),
         num_steps=config.student.num_steps,
-        shift=config.student.shift,
+        shift=config.student.grid_shift,
     )

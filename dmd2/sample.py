@@ -22,8 +22,10 @@ def generate(
     guidance_scale: float = 1.0,
     shift: float = 1.0,
     seed: int = 0,
+    clamp: bool = True,
 ) -> Tensor:
-    """Samples [B, *sample_shape] clamped to [-1, 1], one per conditioning row.
+    """Samples [B, *sample_shape], one per conditioning row; clamped to [-1, 1] unless `clamp` is False
+    (latents are not images).
 
     `teacher`: deterministic Euler over N steps; `student`: the student's sampler (predict x0, re-noise
     to the next grid sigma with fresh noise), i.e. a rollout run to the end. Guidance is CFG over
@@ -36,8 +38,9 @@ def generate(
     noise = torch.randn((batch, *sample_shape), generator=generator)
     model = guided(model, guidance_scale, neg_cond)
     if sampler == "teacher":
-        return euler_sample(model, noise, teacher_sigmas(num_steps, shift), cond).clamp(-1, 1)
+        samples = euler_sample(model, noise, teacher_sigmas(num_steps, shift), cond)
+        return samples.clamp(-1, 1) if clamp else samples
     renoise = torch.randn((max(num_steps - 1, 0), batch, *sample_shape), generator=generator)
     stop = torch.full((batch,), num_steps)
     _, x0, _ = backward_simulate(model, noise, student_sigmas(num_steps, shift), stop, cond, renoise)
-    return x0.clamp(-1, 1)
+    return x0.clamp(-1, 1) if clamp else x0

@@ -48,9 +48,10 @@ def separate_critic_draw(
     *,
     shift: float,
     score_sigma_range: tuple[float, float],
+    sampling: str = "uniform",
 ) -> ScoringInputs:
     """`original` scoring: a fresh sigma in the range and fresh noise, and a separate no-grad critic forward."""
-    sigma = training_sigma(u, shift, score_sigma_range)
+    sigma = training_sigma(u, shift, score_sigma_range, sampling)
     x_s = add_noise(x0_hat, eps, sigma)
     x0_fake = x0_from_velocity(x_s, sigma, critic(x_s, sigma, cond))
     return ScoringInputs(x_s, sigma, x0_fake, sample_index)

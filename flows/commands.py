@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from dmd2.family import default_cache_dir
-from flows.recipe import DEFAULT_RECIPE, run_config
+from flows.recipe import DEFAULT_RECIPE, check_run_id, run_config
 
 MLFLOW_HINT = "mlflow ui --backend-store-uri {uri}   # then open http://127.0.0.1:5000"
 SET_HELP = ("override a recipe option, typed and validated like the file's, e.g. --set train.rollouts=50 "
@@ -44,12 +44,11 @@ def add_distill_args(parser: argparse.ArgumentParser) -> None:
 
 def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
     """Check everything cheap, then run the distill flow; returns (its result, the family's columns)."""
-    from infra.store import ArtifactStore, validate_name
+    from infra.store import ArtifactStore
 
     config, family = run_config(args.recipe, args.overrides, args.rollouts)
-    run_id = args.run_id or args.recipe.stem
-    try:  # before Prefect and Ray start: a bad id or store should cost nothing
-        validate_name(run_id, "--run-id")
+    run_id = check_run_id(args.run_id or args.recipe.stem)
+    try:  # before Prefect and Ray start: a bad store should cost nothing
         from flows.distill import check_separate, default_store_uri, distill
 
         check_separate(ArtifactStore(args.store or default_store_uri()), args.output_dir)
@@ -62,21 +61,29 @@ def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
 
 
 def format_table(rows: list[tuple[str, dict[str, float]]], columns: dict[str, str]) -> str:
-    """A Markdown table of named score rows (it reads in a terminal and pastes into BENCHMARKS.md)."""
+    """A Markdown table of named score rows (it reads in a terminal and pastes into BENCHMARKS.md); a
+    column no row has (e.g. a CLIP score without a CLIP model) is left out, a missing value is shown as -."""
+    columns = {key: heading for key, heading in columns.items() if any(key in scores for _, scores in rows)}
+
+    def cell(scores: dict[str, float], key: str) -> str:
+        return "-" if key not in scores else f"{scores[key]:.3f}" if "accuracy" in key else f"{scores[key]:.4g}"
+
     lines = ["| row | " + " | ".join(columns.values()) + " |", "|---|" + "---:|" * len(columns)]
-    lines += [f"| {name} | " + " | ".join(f"{scores[key]:.3f}" if "accuracy" in key else f"{scores[key]:.2f}"
-                                          for key in columns) + " |" for name, scores in rows]
+    lines += [f"| {name} | " + " | ".join(cell(scores, key) for key in columns) + " |" for name, scores in rows]
     return "\n".join(lines)
 
 
 def _report(result: dict, columns: dict[str, str], tracking_uri: str | None) -> None:
     from infra.tracking import tracking_uri as resolve_tracking_uri
 
-    scores = ", ".join(f"{heading} {result['eval'][key]:.3f}" for key, heading in columns.items())
+    scores = ", ".join(f"{heading} {result['eval'][key]:.4g}" for key, heading in columns.items()
+                       if key in result["eval"])
     if result["reported"]:
         print(f"\nrun {result['run_id']} had already finished its {result['rollouts']} rollouts: nothing to train "
               "(pass more --rollouts to continue it, or a new --run-id)")
     print(f"\nstudent of run {result['run_id']} after {result['rollouts']} rollouts: {scores}")
+    if result["prepared_now"]:
+        print("the family's prepared inputs (e.g. encoded prompts) were made by this run; later runs reuse them")
     print(f"student (diffusers save_pretrained): {result['student_dir']}")
     for name, path in result["pictures"].items():
         print(f"{name}: {path}")

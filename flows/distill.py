@@ -6,6 +6,7 @@ rollouts reports its stored result and trains nothing. The store (artifacts, che
 exported student) and the local outputs (a copy of the student, the sample grid) are separate trees.
 """
 
+import dataclasses
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -17,13 +18,13 @@ from dmd2.config import ConfigError, DistillConfig, config_to_dict
 from dmd2.family import ModelFamily, default_cache_dir
 from dmd2.progress import progress_bar
 from flows.outputs import RunResult, find_result, save_result, write_outputs
-from flows.recipe import DEFAULT_RECIPE, run_config
+from flows.recipe import DEFAULT_RECIPE, check_run_id, run_config
 from flows.rollout import rollout_flow
 from infra.store import ArtifactStore
 from infra.tracking import RunTracker
 from infra.trainers import Groups, build_groups, ensure_ray, load_groups
 from tasks import runtime
-from tasks.distill import checkpoint, evaluate, export
+from tasks.distill import checkpoint, evaluate, export, prepare, reference_media
 
 DEFAULT_OUTPUT_DIR = "outputs"
 
@@ -70,7 +71,7 @@ def distill(
     config, family = run_config(recipe, overrides, rollouts)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     store, outputs = ArtifactStore(store_uri or default_store_uri()), Path(output_dir)
-    store.checkpoint_key(run_id, 0)  # validates the run id before anything starts
+    check_run_id(run_id)
     check_separate(store, outputs)
     latest = store.latest_checkpoint(run_id)
     if latest is not None and latest.step > config.train.rollouts:  # before MLflow: a refusal changes nothing
@@ -86,17 +87,17 @@ def distill(
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         tracker.record_flow_run(str(flow_run.id), f"started {started}, to {target} rollouts")
         tracker.set_tags({"dmd2.store": store.root_uri, "dmd2.recipe": str(recipe), "dmd2.rollouts": str(target)})
-        result, trained = find_result(store, run_id, target), 0
+        result, trained, prepared_now = find_result(store, run_id, target), 0, False
         reported = result is not None
         if reported:
             get_run_logger().info("run %s already has its %d rollouts: reporting its result", run_id, target)
         else:
             if ray_address:
                 os.environ["RAY_ADDRESS"] = ray_address
-            result, trained = _run(config, family, run_id, store, tracker, cache, str(recipe))
+            result, trained, prepared_now = _run(config, family, run_id, store, tracker, cache, str(recipe))
         result = write_outputs(store, result, outputs, tracker)
         status = "FINISHED"
-        return result.to_dict() | {"trained": trained, "reported": reported}
+        return result.to_dict() | {"trained": trained, "reported": reported, "prepared_now": prepared_now}
     finally:
         tracker.finish(status)
 
@@ -105,10 +106,13 @@ def _run(config: DistillConfig, family: ModelFamily, run_id: str, store: Artifac
          cache: Path, recipe: str) -> tuple[RunResult, int]:
     """Build the groups, train to the recipe's rollouts, evaluate and export; the groups end with it.
 
-    Returns the result and how many rollouts this flow run trained."""
+    Returns the result, how many rollouts this flow run trained, and whether it made the prepared inputs."""
     ensure_ray()
+    prepared, made = prepare(family, config, store)
+    tracker.set_tags({"dmd2.prepared": prepared.uri if prepared else "none"})
+    spec = dataclasses.replace(family.run_spec(config, cache), prepared=prepared)
     threads = max(1, (os.cpu_count() or 1) // config.train.world_size)
-    groups = build_groups(family.run_spec(config, cache), store, num_threads=threads)
+    groups = build_groups(spec, store, num_threads=threads)
     runtime.register(run_id, groups)
     try:
         trained, (scores, media, baselines) = _train(config, run_id, store, groups, tracker)
@@ -117,7 +121,7 @@ def _run(config: DistillConfig, family: ModelFamily, run_id: str, store: Artifac
         student = export(run_id, config.train.rollouts, card)
         result = RunResult(run_id, tracker.mlflow_run_id, config.train.rollouts, student, scores, media, baselines)
         save_result(store, result)
-        return result, trained
+        return result, trained, made
     finally:
         runtime.unregister(run_id)
         groups.shutdown()
@@ -131,6 +135,10 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
     """
     total, train = config.train.rollouts, config.train
     start = resume(groups, store, run_id)
+    if start == 0:  # the evaluator's reference pictures (e.g. the teacher's grid), once, at the run's start
+        reference = reference_media(run_id)
+        for name, picture in (store.get_tensors(reference) if reference else {}).items():
+            tracker.log_image(name, picture.numpy(), step=0)
     evaluation = None
     with progress_bar(total, f"distill {run_id}", initial=start, unit="rollout") as bar:
         for rollout_id in range(start, total):

@@ -27,3 +27,17 @@ def run_config(recipe: str | Path, overrides: list[str] | None = None,
     family = family_for(config.model)
     family.check(config)
     return config, family
+
+
+def check_run_id(run_id: str) -> str:
+    """A run id names one folder of the store: a safe name, not starting with "_" (the store's shared objects)."""
+    from infra.store import validate_name
+
+    try:
+        validate_name(run_id, "--run-id")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if run_id.startswith("_"):
+        raise ConfigError(f"--run-id {run_id!r} starts with '_', which names the store's shared objects; "
+                          "choose another id")
+    return run_id

@@ -10,6 +10,7 @@ through the store (`payloads`), never through the driver.
 
 from infra.trainers.cluster import RankResources, ensure_ray
 from infra.trainers.group import EvalResult, TrainerGroup, TrainResult
+from infra.trainers.prepare import load_prepared, prepare_inputs
 from infra.trainers.stages import Groups, build_groups, load_groups, run_rollout_on_groups, save_groups
 
 __all__ = [
@@ -21,6 +22,8 @@ __all__ = [
     "build_groups",
     "ensure_ray",
     "load_groups",
+    "load_prepared",
+    "prepare_inputs",
     "run_rollout_on_groups",
     "save_groups",
 ]

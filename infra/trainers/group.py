@@ -107,6 +107,10 @@ class TrainerGroup:
         """The family's evaluation of the group's model, run on rank 0 (every rank takes part)."""
         return self._each("evaluate", run_id, step, with_baselines)[0]
 
+    def reference_media(self, run_id: str) -> ArtifactRef | None:
+        """The evaluator's pictures to show once beside the student's, stored by rank 0 (None: none)."""
+        return self._each("reference_media", run_id)[0]
+
     def export(self, run_id: str, step: int, card: dict[str, Any]) -> ArtifactRef:
         """The family's export of the group's model at ``<run_id>/student/<step>`` in the store."""
         return self._each("export", run_id, step, card)[0]

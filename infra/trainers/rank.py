@@ -35,6 +35,7 @@ from infra.store import keys as store_keys
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.offload import HostCopy, module_tensors, optimizer_tensors, own_storage
 from infra.trainers.payloads import get_record, put_record
+from infra.trainers.prepare import load_prepared
 from infra.store import ArtifactRef, ArtifactStore
 from infra.trainers.checkpoint import read_state, rng_state, write_state
 from infra.trainers.configs import TrainerConfig
@@ -140,7 +141,8 @@ class RankWorker:
                                 world_size=self.world_size, timeout=timedelta(minutes=10))
         # Checkpoint metadata travels between ranks as Python objects: on a CPU group, whatever the backend.
         self._objects = dist.new_group(backend="gloo") if backend == "nccl" else None
-        family = self.spec.family
+        # The family holding its prepared inputs (e.g. the prompt table): every model call goes through it.
+        self.family = family = self.spec.family.bind(load_prepared(self.store, self.spec.prepared))
         model = own_storage(family.load_model(self.trainer.init).to(self.device))
         self.state = train_state(parallelize(model, self.device), self.trainer.lr, self.spec.config, family.velocity)
         self.state.velocity = OnDevice(self.state.velocity, self.device)
@@ -166,7 +168,7 @@ class RankWorker:
     def rollout(self, run_id: str, rollout_id: int) -> ArtifactRef:
         """This rank's backward-simulated samples -> ``rollout-<n>/rollout/rank-<r>``."""
         self.wake()
-        student = OnDevice(self.spec.family.velocity(self.module), self.device)
+        student = OnDevice(self.family.velocity(self.module), self.device)
         samples = rollout_shard(student, self.spec.conds, self.plan(rollout_id), self.rank)
         return put_record(self.store, run_id, rollout_id, "rollout", self.rank, samples)
 
@@ -201,7 +203,7 @@ class RankWorker:
         self.wake()
         self._teacher_host.restore()
         try:
-            teacher = OnDevice(self.spec.family.velocity(self.teacher), self.device)
+            teacher = OnDevice(self.family.velocity(self.teacher), self.device)
             scores = score(teacher, get_record(self.store, kept), get_record(self.store, pairs), self._ctx(rollout_id))
         finally:
             self._teacher_host.offload(module_tensors(self.teacher))  # docs/architecture.md §1 step 4: offloaded after scoring
@@ -268,18 +270,32 @@ class RankWorker:
         self.wake()
         result = None
         if self.rank == 0:
-            if self._evaluator is None:  # built on first use: the reference statistics are not cheap
-                self._evaluator = self.spec.family.evaluator(self.spec.config, Path(self.spec.cache_dir))
+            evaluator = self._get_evaluator()
             self.module.eval()  # sampled as users sample it
             try:
-                evaluation = self._evaluator.evaluate(OnDevice(self.spec.family.velocity(self.module), self.device))
-                baselines = self._evaluator.baselines() if with_baselines else None
+                evaluation = evaluator.evaluate(OnDevice(self.family.velocity(self.module), self.device))
+                baselines = evaluator.baselines() if with_baselines else None
             finally:
                 self.module.train()
             media = {name: torch.from_numpy(np.ascontiguousarray(picture)) for name, picture in evaluation.media.items()}
             media_ref = self.store.put_tensors(f"{run_id}/eval/{step}/media.safetensors", media) if media else None
             result = EvalResult(evaluation.scores, media_ref, baselines)
         return self._from_rank0(result)
+
+    def reference_media(self, run_id: str) -> ArtifactRef | None:
+        """The evaluator's pictures to show once beside the student's (e.g. the teacher's grid) -> the store."""
+        ref = None
+        if self.rank == 0:
+            media = self._get_evaluator().reference_media()
+            if media:
+                tensors = {name: torch.from_numpy(np.ascontiguousarray(picture)) for name, picture in media.items()}
+                ref = self.store.put_tensors(f"{run_id}/eval/reference/media.safetensors", tensors)
+        return self._from_rank0(ref)
+
+    def _get_evaluator(self):
+        if self._evaluator is None:  # built on first use: the reference statistics are not cheap
+            self._evaluator = self.family.evaluator(self.spec.config, Path(self.spec.cache_dir))
+        return self._evaluator
 
     def export(self, run_id: str, step: int, card: dict[str, Any]) -> ArtifactRef:
         """The family's export of the student (e.g. a diffusers directory) -> ``<run_id>/student/<step>``."""
@@ -288,8 +304,7 @@ class RankWorker:
         if self.rank == 0:
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "student"
-                out.mkdir()
-                self.spec.family.export(self.module, self.spec.config, out, card)
+                self.family.export(self.module, self.spec.config, out, card)
                 ref = self.store.put_dir(f"{run_id}/student/{step}", out)
         return self._from_rank0(ref)
 

@@ -1,4 +1,5 @@
 import copy
+import math
 
 import torch
 
@@ -110,3 +111,20 @@ def test_original_mode_scores_with_the_critic_before_its_last_update(tiny):
         after = state.model(kept.x_s, kept.sigma, {"class_labels": pairs.cond["class_labels"][8:]})
     assert not torch.allclose(kept.x_s - kept.sigma[:, None, None, None] * after, kept.x0_fake)
     assert kept.sigma.min() >= 0.2 and kept.sigma.max() <= 0.5
+
+
+def test_logit_normal_sigmas_follow_the_sigmoid_of_a_standard_normal_inside_the_range():
+    from statistics import NormalDist
+
+    u = torch.linspace(0.001, 0.999, 999)
+    sigma = training_sigma(u, shift=1.0, sampling="logit_normal")
+    normal = NormalDist()
+    expected = torch.tensor([1 / (1 + math.exp(-normal.inv_cdf(p))) for p in u.tolist()])
+    assert torch.allclose(sigma, expected, atol=1e-5)
+    low, high = 0.02, 0.98
+    ranged = training_sigma(u, shift=1.0, sigma_range=(low, high), sampling="logit_normal")
+    assert ranged.min() >= low and ranged.max() <= high
+    # u spreads the range by the normal CDF: the median sigma of the full range is 1/2
+    assert abs(training_sigma(torch.tensor([0.5]), 1.0, (0.0, 1.0), "logit_normal").item() - 0.5) < 1e-6
+    shifted = training_sigma(u, shift=3.0, sampling="logit_normal")
+    assert torch.allclose(shifted, 3 * expected / (1 + 2 * expected), atol=1e-5)

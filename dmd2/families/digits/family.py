@@ -54,6 +54,13 @@ class DigitsFamily(ModelFamily):
         return COMMANDS
 
     def check(self, config: DistillConfig) -> None:
+        unread = [f"[{section}] {name}" for section, name in (("data", "prompts"), ("data", "negative_prompt"),
+                                                               ("data", "resolution"), ("eval", "prompts"),
+                                                               ("eval", "clip_model"))
+                  if getattr(getattr(config, section), name)]
+        if unread:
+            raise ConfigError(f"{', '.join(unread)}: read only by text-to-image families; the digits family draws "
+                              "class labels: remove them")
         model = config.model
         for option, spec in (("teacher", model.teacher), ("student", model.student),
                              ("critic_load", model.critic_load)):
@@ -64,7 +71,7 @@ class DigitsFamily(ModelFamily):
 
     def resolve(self, config: DistillConfig, cache_dir: Path) -> DistillConfig:
         model = config.model
-        return config.replace(
+        return config.with_teacher_shift(1.0).replace(  # the digits teacher samples an unshifted grid
             "model",
             family=self.name,
             teacher=resolve_model(model.teacher, cache_dir),
@@ -88,7 +95,7 @@ class DigitsFamily(ModelFamily):
         return DigitsStudentEvaluator.build(config, cache_dir)
 
     def export(self, student: nn.Module, config: DistillConfig, out_dir: Path, card: dict[str, Any]) -> None:
-        student.save_pretrained(out_dir, safe_serialization=True)
+        student.save_pretrained(out_dir, safe_serialization=True)  # creates out_dir
         (out_dir / "README.md").write_text(model_card(config, card))
 
 

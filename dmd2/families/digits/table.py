@@ -77,7 +77,7 @@ def quality_table(recipes: dict[str, DistillConfig], cache_dir: Path) -> list[Ro
         started = time.monotonic()
         student = _distill(config, copy.deepcopy(teacher), cache_dir, name)
         scores = yardstick.score_model(DiffusersVelocity(student), sampler="student",
-                                       num_steps=config.student.num_steps, shift=config.student.shift)
+                                       num_steps=config.student.num_steps, shift=config.student.grid_shift)
         log.info("%s distilled in %.0f s", name, time.monotonic() - started)
         rows.append(Row(name, **scores))
     return rows

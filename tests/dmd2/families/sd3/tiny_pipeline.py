@@ -125,3 +125,18 @@ def build_tiny_sd_pipeline(path: str | Path, seed: int = 0) -> Path:
     )
     pipeline.save_pretrained(path, safe_serialization=True)
     return Path(path)
+
+
+def build_tiny_clip(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny transformers CLIPModel (16 x 16 images) and its tokenizer into `path`: `[eval] clip_model`."""
+    from transformers import CLIPConfig, CLIPModel, CLIPVisionConfig
+
+    torch.manual_seed(seed)
+    tokenizer = clip_tokenizer()
+    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=16, patch_size=4, projection_dim=16)
+    config = CLIPConfig(text_config=clip_text_config(len(tokenizer)).to_dict(), vision_config=vision.to_dict(),
+                        projection_dim=16)
+    CLIPModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)

@@ -1,0 +1,58 @@
+"""dmd2/families/sd3/evaluation.py: the grid, the fidelity score and the CLIP score, against explicit
+computations on the tiny pipeline."""
+
+import torch
+from diffusers import AutoencoderKL
+
+from dmd2.config import config_from_dict
+from dmd2.families.sd3.evaluation import SD3Evaluator, image_grid
+from dmd2.families.sd3.family import SD3Family
+from dmd2.families.sd3.prompts import encode_prompt_table
+from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_clip
+
+PROMPTS = ["a photo of a cat", "a red dog", "a blue sign"]
+
+
+def test_grid_places_each_image_side_by_side():
+    images = torch.stack([torch.full((3, 4, 4), -1.0), torch.full((3, 4, 4), 1.0)])
+    grid = image_grid(images, border=1)
+    assert grid.shape == (6, 11, 3) and grid.dtype.name == "uint8"
+    assert (grid[1:5, 1:5] == 0).all() and (grid[1:5, 6:10] == 255).all()
+
+
+def test_scores_match_an_explicit_computation(sd3_dir, sd3_pipe, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS))
+    clip_dir = build_tiny_clip(tmp_path / "clip")
+    config = config_from_dict({
+        "model": {"family": "sd3", "teacher": str(sd3_dir)}, "student": {"num_steps": 2, "shift": 3.0},
+        "dmd2": {"teacher_guidance_scale": 2.0, "sigma_shift": 3.0}, "train": {"rollout_batch_size": 10},
+        "data": {"prompts": str(prompts), "resolution": 16},
+        "eval": {"reference_steps": 3, "prompts": ["a red dog", "the cat"], "clip_model": str(clip_dir)},
+    })
+    family = SD3Family().bind({"prompts": encode_prompt_table(sd3_pipe, PROMPTS + ["a red dog", "the cat"], "")})
+    evaluator = SD3Evaluator.build(family, config)
+    student = family.velocity(family.load_model(str(sd3_dir)))
+    evaluation = evaluator.evaluate(student)
+
+    latents = evaluator._student_latents(student)
+    reference = evaluator.teacher_latents()
+    assert abs(evaluation.scores["eval/latent_mse_teacher"] - ((latents - reference) ** 2).mean().item()) < 1e-6
+    vae = AutoencoderKL.from_pretrained(str(sd3_dir), subfolder="vae")
+    images = vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor).sample.detach()
+    assert evaluation.media["samples"].shape == (16 + 4, 2 * (16 + 2) + 2, 3)
+
+    from transformers import AutoTokenizer, CLIPModel
+
+    clip, tokenizer = CLIPModel.from_pretrained(str(clip_dir)), AutoTokenizer.from_pretrained(str(clip_dir))
+    mean = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)
+    std = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
+    with torch.no_grad():  # the images are 16 x 16 already: CLIP's resize is the identity here
+        image = clip.get_image_features(pixel_values=(((images.clamp(-1, 1) + 1) / 2) - mean) / std).pooler_output
+        text = clip.get_text_features(**tokenizer(["a red dog", "the cat"], padding=True,
+                                                  return_tensors="pt")).pooler_output
+    expected = [max(100 * torch.dot(i, t).item() / (i.norm() * t.norm()).item(), 0.0) for i, t in zip(image, text)]
+    assert abs(evaluation.scores["eval/clip_score"] - sum(expected) / 2) < 1e-3
+    assert set(evaluator.reference_media()) == {"teacher"}
+    [(name, scores)] = evaluator.baselines()
+    assert name == "teacher, 2 steps, guidance 2" and scores["eval/latent_mse_teacher"] > 0
