@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 NUM_CLASSES = 10
 """Number of digit classes, ``0..9``."""
@@ -64,6 +62,9 @@ def load_digits_splits(test_fraction: float = 0.2, seed: int = 0) -> DigitsSplit
         raise ValueError(
             f"test_fraction must lie in (0, 1), got {test_fraction}; 0.2 is the default."
         )
+    from sklearn.datasets import load_digits  # slow to import: only loading the data needs it
+    from sklearn.model_selection import train_test_split
+
     digits = load_digits()
     x_train, x_test, y_train, y_test = train_test_split(
         digits.data,

@@ -17,8 +17,9 @@ from dmd2.conditioning import ClassLabels
 from dmd2.config import ConfigError, DistillConfig
 from dmd2.family import Command, ModelFamily, RunSpec
 from dmd2.families.digits.data import IMAGE_SHAPE, NULL_CLASS, NUM_CLASSES
-from dmd2.families.digits.pretrain import BUILTIN_DIGITS, resolve_model
 from dmd2.model import load_pretrained
+
+BUILTIN_DIGITS = "builtin:digits"  # pretrained on sklearn's digits and cached on first use
 
 
 def digits_unet_config(path: str) -> dict[str, Any] | None:
@@ -70,6 +71,8 @@ class DigitsFamily(ModelFamily):
                                   f"{BUILTIN_DIGITS!r} or a save_pretrained directory of such a model")
 
     def resolve(self, config: DistillConfig, cache_dir: Path) -> DistillConfig:
+        from dmd2.families.digits.pretrain import resolve_model  # pretraining imports diffusers and sklearn
+
         model = config.model
         return config.with_teacher_shift(1.0).replace(  # the digits teacher samples an unshifted grid
             "model",
