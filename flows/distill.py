@@ -103,7 +103,7 @@ def distill(
 
 
 def _run(config: DistillConfig, family: ModelFamily, run_id: str, store: ArtifactStore, tracker: RunTracker,
-         cache: Path, recipe: str) -> tuple[RunResult, int]:
+         cache: Path, recipe: str) -> tuple[RunResult, int, bool]:
     """Build the groups, train to the recipe's rollouts, evaluate and export; the groups end with it.
 
     Returns the result, how many rollouts this flow run trained, and whether it made the prepared inputs."""

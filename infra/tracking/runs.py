@@ -56,10 +56,13 @@ def _logged_images(client: MlflowClient, mlflow_run_id: str) -> set[tuple[str, i
 class RunTracker:
     """The MLflow run of one distill run."""
 
-    def __init__(self, client: MlflowClient, mlflow_run_id: str, logged: set[tuple[str, int]]):
+    def __init__(self, client: MlflowClient, mlflow_run_id: str, logged: set[tuple[str, int]],
+                 previous_status: str | None = None):
         self.client = client
         self.mlflow_run_id = mlflow_run_id
         self._logged = logged
+        self._previous_status = previous_status  # of a resumed run: what a failure that added nothing leaves
+        self._wrote = False
 
     @classmethod
     def start_or_resume(cls, run_id: str, experiment: str = "dmd2", uri: str | None = None) -> "RunTracker":
@@ -69,15 +72,15 @@ class RunTracker:
         experiment_id = found.experiment_id if found else client.create_experiment(experiment)
         runs = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}'", max_results=1)
         if runs:
-            mlflow_run_id = runs[0].info.run_id
+            mlflow_run_id, previous = runs[0].info.run_id, runs[0].info.status
             client.update_run(mlflow_run_id, status="RUNNING")
             logged = {(key, m.step) for key in runs[0].data.metrics for m in client.get_metric_history(mlflow_run_id, key)}
             logged |= _logged_images(client, mlflow_run_id)
             log.info("resuming MLflow run %s (%d metric points already logged)", mlflow_run_id, len(logged))
         else:
             mlflow_run_id = client.create_run(experiment_id, tags={RUN_ID_TAG: run_id}, run_name=run_id).info.run_id
-            logged = set()
-        return cls(client, mlflow_run_id, logged)
+            logged, previous = set(), None
+        return cls(client, mlflow_run_id, logged, previous)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log the config once; on a resume the same params are already there and are not sent again."""
@@ -104,6 +107,7 @@ class RunTracker:
         if fresh:
             self.client.log_batch(self.mlflow_run_id, metrics=fresh)
             self._logged.update((m.key, step) for m in fresh)
+            self._wrote = True
 
     def log_image(self, key: str, image: np.ndarray, step: int) -> None:
         """An image (H x W or H x W x C, uint8 or float in [0, 1]) in the run's image gallery at `step`."""
@@ -111,6 +115,7 @@ class RunTracker:
             return
         self.client.log_image(self.mlflow_run_id, image, key=key, step=step)
         self._logged.add((IMAGE_PREFIX + key, step))
+        self._wrote = True
 
     def has_artifacts(self, artifact_path: str) -> bool:
         return bool(self.client.list_artifacts(self.mlflow_run_id, artifact_path))
@@ -119,4 +124,8 @@ class RunTracker:
         self.client.log_artifacts(self.mlflow_run_id, str(local_dir), artifact_path)
 
     def finish(self, status: str = "FINISHED") -> None:
+        """End the run with `status`; a failure that logged nothing leaves a resumed run as it was (a finished
+        run stays FINISHED when a rerun is refused, e.g. for a changed recipe)."""
+        if status == "FAILED" and not self._wrote and self._previous_status not in (None, "RUNNING"):
+            status = self._previous_status
         self.client.set_terminated(self.mlflow_run_id, status=RunStatus.to_string(RunStatus.from_string(status)))

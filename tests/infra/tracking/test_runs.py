@@ -51,3 +51,27 @@ def test_a_resumed_run_is_the_same_mlflow_run_and_logs_no_step_twice(uri):
     with pytest.raises(ValueError, match="other values for \\['train.seed'\\]"):
         again.log_params({"train": {"seed": 1}})
     assert RunTracker.start_or_resume("run-b", uri=uri).mlflow_run_id != first.mlflow_run_id
+
+
+def test_a_refused_rerun_leaves_a_finished_run_finished_and_a_failed_one_fails(uri):
+    first = RunTracker.start_or_resume("r", uri=uri)
+    first.log_metrics(0, {"train/loss": 1.0})
+    first.finish("FINISHED")
+    refused = RunTracker.start_or_resume("r", uri=uri)  # e.g. a changed recipe: nothing is logged
+    refused.finish("FAILED")
+    assert refused.client.get_run(refused.mlflow_run_id).info.status == "FINISHED"
+    crashed = RunTracker.start_or_resume("r", uri=uri)
+    crashed.log_metrics(1, {"train/loss": 0.5})  # it trained, then died
+    crashed.finish("FAILED")
+    assert crashed.client.get_run(crashed.mlflow_run_id).info.status == "FAILED"
+
+
+def test_every_flow_run_is_recorded_in_its_own_tag(uri):
+    for flow_run in ("f1", "f2"):
+        tracker = RunTracker.start_or_resume("r", uri=uri)
+        tracker.record_flow_run(flow_run, f"note {flow_run}")
+        tracker.finish()
+    tags = tracker.client.get_run(tracker.mlflow_run_id).data.tags
+    assert {k: v for k, v in tags.items() if k.startswith("prefect.flow_run.")} == {
+        "prefect.flow_run.f1": "note f1", "prefect.flow_run.f2": "note f2"}
+    assert tags["prefect.flow_run_id"] == "f2"
