@@ -92,6 +92,10 @@ class TrainerGroup:
         """Weights and optimizer state leave the accelerator (every stage wakes the group on use)."""
         return self._each("sleep")
 
+    def awake(self) -> bool:
+        """Whether any rank of the group holds its weights on its accelerator now."""
+        return any(self._each("awake"))
+
     def wake(self) -> list[None]:
         return self._each("wake")
 

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -150,6 +151,7 @@ class RankWorker:
         if self.trainer.teacher is not None:
             self.teacher = own_storage(family.load_model(self.trainer.teacher).to(self.device)).eval().requires_grad_(False)
             self._teacher_host.offload(module_tensors(self.teacher))  # on the device only while scoring
+        self.sleep()  # asleep until its first stage: at no time are two groups awake for nothing
         logger.info("ready: %s from %s on %s (%s)", self.trainer.role, self.trainer.init, self.device, backend)
 
     @property
@@ -211,10 +213,27 @@ class RankWorker:
 
     # -- sleep / wake --------------------------------------------------------------------------
 
+    @contextmanager
+    def _in_use(self):
+        """Awake for the body; back asleep after it if it was asleep (checkpoints, evaluation, export
+        must not leave a sleeping group on the accelerator)."""
+        was_asleep = self._sleeping.parked
+        self.wake()
+        try:
+            yield
+        finally:
+            if was_asleep:
+                self.sleep()
+
+    def awake(self) -> bool:
+        """Whether this rank's weights are on its accelerator now (the sleep ledger reads it)."""
+        return not self._sleeping.parked
+
     def sleep(self) -> dict[str, int]:
         """Weights and optimizer state leave the accelerator (the teacher already has); idempotent."""
         if self._sleeping.parked:
             return {"offloaded_bytes": 0}
+        self.state.optimizer.zero_grad(set_to_none=True)  # the next step recomputes them: nothing to keep
         moved = self._sleeping.offload(module_tensors(self.module) + optimizer_tensors(self.state.optimizer))
         return {"offloaded_bytes": moved}
 
@@ -235,52 +254,52 @@ class RankWorker:
         ``linked`` (e.g. the critic checkpoint of the same step) is recorded in ``checkpoint.json``, so
         one visible checkpoint finds the rest.
         """
-        self.wake()
-        rng_states: list[Any] = [None] * self.world_size
-        dist.all_gather_object(rng_states, rng_state(), group=self._objects)
-        ref = None
-        if self.rank == 0:
-            info = {"role": self.trainer.role, "step": step, "world_size": self.world_size,
-                    "rollouts_trained": self.rollouts_trained, "optimizer_steps": self.optimizer_steps,
-                    "linked": {role: r.to_dict() for role, r in (linked or {}).items()}}
-            with tempfile.TemporaryDirectory() as tmp:
-                write_state(Path(tmp), self.module, self.state.optimizer, self.state.scheduler, rng_states, info)
-                ref = self.store.put_dir(checkpoint_key(run_id, self.trainer.checkpoint_dir, step), tmp)
-        return self._from_rank0(ref)
+        with self._in_use():
+            rng_states: list[Any] = [None] * self.world_size
+            dist.all_gather_object(rng_states, rng_state(), group=self._objects)
+            ref = None
+            if self.rank == 0:
+                info = {"role": self.trainer.role, "step": step, "world_size": self.world_size,
+                        "rollouts_trained": self.rollouts_trained, "optimizer_steps": self.optimizer_steps,
+                        "linked": {role: r.to_dict() for role, r in (linked or {}).items()}}
+                with tempfile.TemporaryDirectory() as tmp:
+                    write_state(Path(tmp), self.module, self.state.optimizer, self.state.scheduler, rng_states, info)
+                    ref = self.store.put_dir(checkpoint_key(run_id, self.trainer.checkpoint_dir, step), tmp)
+            return self._from_rank0(ref)
 
     def load(self, checkpoint: ArtifactRef) -> dict[str, ArtifactRef]:
         """Load a checkpoint of this role in place (every rank); returns its linked checkpoints' refs."""
-        self.wake()
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = self.store.get_dir(checkpoint, Path(tmp) / "checkpoint")
-            info = read_state(folder, self.module, self.state.optimizer, self.state.scheduler, self.rank)
-        if info["role"] != self.trainer.role:
-            raise ValueError(f"{checkpoint.uri} is a {info['role']!r} checkpoint; load it into the "
-                             f"{info['role']} group, not the {self.trainer.role} group")
-        if info["world_size"] != self.world_size:
-            logger.warning("checkpoint from world size %d loaded at %d: RNG states of new ranks are fresh",
-                           info["world_size"], self.world_size)
-        self.rollouts_trained, self.optimizer_steps = info["rollouts_trained"], info["optimizer_steps"]
-        return {role: ArtifactRef.from_dict(r) for role, r in info["linked"].items()}
+        with self._in_use():
+            with tempfile.TemporaryDirectory() as tmp:
+                folder = self.store.get_dir(checkpoint, Path(tmp) / "checkpoint")
+                info = read_state(folder, self.module, self.state.optimizer, self.state.scheduler, self.rank)
+            if info["role"] != self.trainer.role:
+                raise ValueError(f"{checkpoint.uri} is a {info['role']!r} checkpoint; load it into the "
+                                 f"{info['role']} group, not the {self.trainer.role} group")
+            if info["world_size"] != self.world_size:
+                logger.warning("checkpoint from world size %d loaded at %d: RNG states of new ranks are fresh",
+                               info["world_size"], self.world_size)
+            self.rollouts_trained, self.optimizer_steps = info["rollouts_trained"], info["optimizer_steps"]
+            return {role: ArtifactRef.from_dict(r) for role, r in info["linked"].items()}
 
     # -- evaluation and export: rank 0 works, every rank takes part (sharded models gather there) --
 
     def evaluate(self, run_id: str, step: int, with_baselines: bool = False) -> EvalResult:
         """The family's evaluation of the current student; media go to ``<run_id>/eval/<step>/media``."""
-        self.wake()
-        result = None
-        if self.rank == 0:
-            evaluator = self._get_evaluator()
-            self.module.eval()  # sampled as users sample it
-            try:
-                evaluation = evaluator.evaluate(OnDevice(self.family.velocity(self.module), self.device))
-                baselines = evaluator.baselines() if with_baselines else None
-            finally:
-                self.module.train()
-            media = {name: torch.from_numpy(np.ascontiguousarray(picture)) for name, picture in evaluation.media.items()}
-            media_ref = self.store.put_tensors(f"{run_id}/eval/{step}/media.safetensors", media) if media else None
-            result = EvalResult(evaluation.scores, media_ref, baselines)
-        return self._from_rank0(result)
+        with self._in_use():
+            result = None
+            if self.rank == 0:
+                evaluator = self._get_evaluator()
+                self.module.eval()  # sampled as users sample it
+                try:
+                    evaluation = evaluator.evaluate(OnDevice(self.family.velocity(self.module), self.device))
+                    baselines = evaluator.baselines() if with_baselines else None
+                finally:
+                    self.module.train()
+                media = {name: torch.from_numpy(np.ascontiguousarray(picture)) for name, picture in evaluation.media.items()}
+                media_ref = self.store.put_tensors(f"{run_id}/eval/{step}/media.safetensors", media) if media else None
+                result = EvalResult(evaluation.scores, media_ref, baselines)
+            return self._from_rank0(result)
 
     def reference_media(self, run_id: str) -> ArtifactRef | None:
         """The evaluator's pictures to show once beside the student's (e.g. the teacher's grid) -> the store."""
@@ -299,36 +318,36 @@ class RankWorker:
 
     def export(self, run_id: str, step: int, card: dict[str, Any]) -> ArtifactRef:
         """The family's export of the student (e.g. a diffusers directory) -> ``<run_id>/student/<step>``."""
-        self.wake()
-        ref = None
-        if self.rank == 0:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "student"
-                self.family.export(self.module, self.spec.config, out, card)
-                ref = self.store.put_dir(f"{run_id}/student/{step}", out)
-        return self._from_rank0(ref)
+        with self._in_use():
+            ref = None
+            if self.rank == 0:
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = Path(tmp) / "student"
+                    self.family.export(self.module, self.spec.config, out, card)
+                    ref = self.store.put_dir(f"{run_id}/student/{step}", out)
+            return self._from_rank0(ref)
 
     def export_weights(self, key: str) -> ArtifactRef:
         """Rank 0 stores the model's state dict at ``key`` (safetensors); every rank returns the ref."""
-        self.wake()
-        ref = None
-        if self.rank == 0:
-            state = {k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()}
-            ref = self.store.put_tensors(key, state)
-        return self._from_rank0(ref)
+        with self._in_use():
+            ref = None
+            if self.rank == 0:
+                state = {k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()}
+                ref = self.store.put_tensors(key, state)
+            return self._from_rank0(ref)
 
     def state_digest(self) -> str:
         """sha256 of this rank's weights and optimizer state (bitwise comparisons in tests and checks)."""
-        self.wake()
-        digest = hashlib.sha256()
-        optimizer = self.state.optimizer
-        # Canonical order: parameters as the optimizer lists them, each one's state by name.
-        states = [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]]
-        optimizer_state = [state[name] for state in states for name in sorted(state)]
-        for tensor in [*self.module.state_dict().values(), *optimizer_state]:
-            # A copy: exporting a tensor to numpy pins its storage's size for good, and sleep resizes it.
-            digest.update(tensor.detach().cpu().clone().reshape(-1).view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()
+        with self._in_use():
+            digest = hashlib.sha256()
+            optimizer = self.state.optimizer
+            # Canonical order: parameters as the optimizer lists them, each one's state by name.
+            states = [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]]
+            optimizer_state = [state[name] for state in states for name in sorted(state)]
+            for tensor in [*self.module.state_dict().values(), *optimizer_state]:
+                # A copy: exporting a tensor to numpy pins its storage's size for good, and sleep resizes it.
+                digest.update(tensor.detach().cpu().clone().reshape(-1).view(torch.uint8).numpy().tobytes())
+            return digest.hexdigest()
 
     def _from_rank0(self, value: Any) -> Any:
         box = [value]

@@ -33,6 +33,10 @@ class Groups:
         """Training order, as in the trainer config list."""
         return [g for g in (self.critic, self.actor) if g is not None]  # actor is None only mid-build
 
+    def awake_roles(self) -> list[str]:
+        """The sleep ledger: the roles of the groups awake now (between stages: none; within one: one)."""
+        return [group.role for group in self.in_order() if group.awake()]
+
     def shutdown(self) -> None:
         """End every rank and free the placement group's resources."""
         for group in self.in_order():

@@ -110,7 +110,9 @@ def test_save_load_continue_equals_uninterrupted_and_sleep_changes_nothing(world
     try:
         load_groups(groups, store.latest_checkpoint(RUN).ref)
         assert digests(groups) == world2["after_first"]
+        assert groups.awake_roles() == []  # built asleep, and loading does not leave them awake
         for group in groups.in_order():
+            group.wake()
             assert all(r["offloaded_bytes"] > 0 for r in group.sleep())
             group.wake()
         assert digests(groups) == world2["after_first"]
@@ -191,3 +193,25 @@ def test_sleep_frees_accelerator_memory_and_wake_brings_it_back(tiny_teacher, tm
         run_rollout_on_groups(groups, RUN, 1)  # and it still trains
     finally:
         groups.shutdown()
+
+
+def test_the_sleep_ledger_shows_no_group_awake_after_each_rollout_checkpoint_and_evaluation(local_ray, tiny_teacher,
+                                                                                          tmp_path):
+    config = tiny_config(tiny_teacher, 1).replace("eval", num_samples=20, reference_steps=2)
+    groups = build_groups(run_spec(config), new_store(tmp_path))
+    try:
+        ledger = {"built": groups.awake_roles()}
+        run_rollout_on_groups(groups, RUN, 0)
+        ledger["rollout"] = groups.awake_roles()
+        save_groups(groups, RUN, step=1)
+        ledger["checkpoint"] = groups.awake_roles()
+        groups.actor.evaluate(RUN, 0)
+        ledger["evaluation"] = groups.awake_roles()
+        groups.actor.export(RUN, 1, {"scores": {}})
+        ledger["export"] = groups.awake_roles()
+        groups.actor.wake()
+        ledger["woken"] = groups.awake_roles()  # the ledger does see an awake group
+    finally:
+        groups.shutdown()
+    assert ledger == {"built": [], "rollout": [], "checkpoint": [], "evaluation": [], "export": [],
+                      "woken": ["actor"]}
