@@ -1,7 +1,7 @@
 """Configuration: one frozen dataclass per concern, every field documented, validated before any work.
 
 A recipe is a TOML file whose sections match the dataclasses: [model], [student], [optim], [dmd2],
-[train], [data], [eval]. Field docs live in `metadata["doc"]`; the option reference page is generated from
+[train], [cluster], [data], [eval]. Field docs live in `metadata["doc"]`; the option reference page is generated from
 them. Every error names the option and what to change.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dmd2.critic import LOSS_SPACES, SIGMA_SAMPLINGS
+from dmd2.precision import PRECISIONS
 from dmd2.scoring import CRITIC_SCORING_MODES
 
 LOSS_TYPES = ("dmd2", "flow_matching")
@@ -100,10 +101,27 @@ class TrainConfig:
     seed: int = option(0, "Seed of every random draw; the same seed replays the same run.")
     save_interval: int = option(0, "Checkpoint every this many rollouts; 0: only at the end.")
     eval_interval: int = option(0, "Evaluate every this many rollouts; 0: only at the end.")
+    mixed_precision: str = option("no", "`bf16`: bf16 compute with fp32 master weights and optimizer state, the "
+                                        "frozen teacher held in bf16; `no`: fp32 throughout.")
     keep_rollouts: int = option(
         2, "Rollouts whose artifacts stay in the store (the newest); older ones are deleted as the run goes, "
         "checkpoints never. Set it >= rollouts to keep them all."
     )
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What each rank asks Ray for."""
+
+    gpus_per_rank: float | None = option(None, "GPUs per rank of each group; default: 1 when the Ray cluster has "
+                                               "GPUs, else 0 (CPU ranks).")
+    cpus_per_rank: float = option(1.0, "CPUs per rank of each group.")
+    colocate: bool = option(True, "Actor and critic rank i share bundle i's GPUs (fractional GPUs: the peak is the "
+                                  "largest group, as each sleeps after use); false: each rank gets its own.")
+    placement_strategy: str = option("PACK", "Ray placement of the ranks' bundles: PACK, SPREAD or STRICT_SPREAD.")
+
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True)
@@ -138,6 +156,7 @@ class DistillConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     dmd2: DMD2Config | None = field(default_factory=DMD2Config)
     train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -166,7 +185,8 @@ class DistillConfig:
 
 
 SECTION_TYPES = {"model": ModelConfig, "student": StudentConfig, "optim": OptimConfig,
-                 "dmd2": DMD2Config, "train": TrainConfig, "data": DataConfig, "eval": EvalConfig}
+                 "dmd2": DMD2Config, "train": TrainConfig, "cluster": ClusterConfig, "data": DataConfig,
+                 "eval": EvalConfig}
 
 
 def _type_error(annotation: Any, value: Any) -> str | None:
@@ -287,6 +307,14 @@ def _validate(config: DistillConfig) -> None:
     _check(train.world_size >= 1, f"[train] world_size must be >= 1, got {train.world_size}")
     _check(train.save_interval >= 0 and train.eval_interval >= 0,
            "[train] save_interval and eval_interval must be >= 0 (0: only at the end)")
+    _check(train.mixed_precision in PRECISIONS,
+           f"[train] mixed_precision must be one of {PRECISIONS}, got {train.mixed_precision!r}")
+    cluster = config.cluster
+    _check(cluster.gpus_per_rank is None or cluster.gpus_per_rank >= 0,
+           f"[cluster] gpus_per_rank must be >= 0 (0: CPU ranks), got {cluster.gpus_per_rank}")
+    _check(cluster.cpus_per_rank > 0, f"[cluster] cpus_per_rank must be > 0, got {cluster.cpus_per_rank}")
+    _check(cluster.placement_strategy in PLACEMENT_STRATEGIES,
+           f"[cluster] placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {cluster.placement_strategy!r}")
     _check(config.data.resolution >= 0, f"[data] resolution must be >= 0 (0: the model's default), got "
                                          f"{config.data.resolution}")
     _check(train.keep_rollouts >= 0,

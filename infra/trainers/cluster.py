@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
+from dmd2.config import ClusterConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -65,3 +67,16 @@ def rank_placement_group(world_size: int, per_rank: RankResources, groups: int =
             "or add nodes"
         )
     return group
+
+
+def rank_resources(cluster: ClusterConfig, groups: int) -> RankResources:
+    """What one rank of one of `groups` groups asks for, from `[cluster]` and what the Ray cluster has.
+
+    Colocated, the groups' rank i share bundle i's GPUs (each rank asks gpus_per_rank / groups: Ray's
+    fractional GPUs); otherwise each rank asks for its own. Ray gives each rank its GPUs through
+    CUDA_VISIBLE_DEVICES, so a rank's device is always its cuda:0.
+    """
+    gpus = cluster.gpus_per_rank
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    return RankResources(num_cpus=cluster.cpus_per_rank, num_gpus=gpus / groups if cluster.colocate else gpus)

@@ -48,7 +48,8 @@ class TrainerGroup:
                         if placement is not None else "DEFAULT")
             options = dict(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
                            resources=dict(resources.custom), scheduling_strategy=strategy)
-            self.ranks.append(worker.options(**options).remote(trainer, spec, store, rank, world_size, num_threads))
+            self.ranks.append(worker.options(**options).remote(trainer, spec, store, rank, world_size, num_threads,
+                                                                   resources.num_gpus))
         master_addr, master_port = ray.get(self.ranks[0].master_address.remote())
         ray.get([r.setup.remote(master_addr, master_port) for r in self.ranks])
         logger.info("%s group ready: %d ranks, rendezvous %s:%d", self.role, world_size, master_addr, master_port)

@@ -30,6 +30,7 @@ from dmd2.family import RunSpec
 from dmd2.hooks import score
 from dmd2.model import VelocityFn
 from dmd2.plan import RolloutPlan, rollout_plan
+from dmd2.precision import Autocast
 from dmd2.rollout import rollout_shard
 from dmd2.trainer import HookContext, train_state, train_steps
 from infra.store import keys as store_keys
@@ -86,6 +87,22 @@ def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
 
 
+def rank_device(role: str, rank: int, promised_gpus: float) -> torch.device:
+    """The rank's device: the GPU Ray gave it (Ray sets CUDA_VISIBLE_DEVICES, so it is cuda:0), or the CPU.
+
+    A rank promised a GPU that sees none fails here, at once, rather than training on the CPU unnoticed.
+    """
+    if promised_gpus <= 0:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{role} rank {rank} was given {promised_gpus:g} GPU by Ray but torch sees none (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, torch {torch.__version__} "
+            f"{'with' if torch.backends.cuda.is_built() else 'without'} CUDA): install a CUDA build of torch on "
+            "every node, or set [cluster] gpus_per_rank = 0 to train on CPUs")
+    return torch.device("cuda", 0)
+
+
 class OnDevice:
     """A velocity fn whose model lives on ``device``: inputs go there, the velocity comes back.
 
@@ -106,14 +123,14 @@ class RankWorker:
     """Rank ``rank`` of the group of ``trainer.role``; call `setup` on every rank before anything else."""
 
     def __init__(self, trainer: TrainerConfig, spec: RunSpec, store: ArtifactStore, rank: int,
-                 world_size: int, num_threads: int = 1):
+                 world_size: int, num_threads: int = 1, promised_gpus: float = 0.0):
         # Several ranks share the node's cores: one thread each unless configured otherwise.
         torch.set_num_threads(num_threads)
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {trainer.role}[{rank}] %(name)s: %(message)s")
         self.trainer, self.spec, self.store = trainer, spec, store
         self.rank, self.world_size = rank, world_size
         self.hooks = resolve_hooks(trainer.hooks, trainer.role)
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = rank_device(trainer.role, rank, promised_gpus)
         self.rollouts_trained = 0
         self.optimizer_steps = 0
         self._evaluator = None
@@ -146,13 +163,22 @@ class RankWorker:
         self.family = family = self.spec.family.bind(load_prepared(self.store, self.spec.prepared))
         model = own_storage(family.load_model(self.trainer.init).to(self.device))
         self.state = train_state(parallelize(model, self.device), self.trainer.lr, self.spec.config, family.velocity)
-        self.state.velocity = OnDevice(self.state.velocity, self.device)
+        self.state.velocity = self._on_device(self.state.velocity)
         self.teacher = None
         if self.trainer.teacher is not None:
-            self.teacher = own_storage(family.load_model(self.trainer.teacher).to(self.device)).eval().requires_grad_(False)
+            teacher = family.load_model(self.trainer.teacher).to(self.device)
+            if self.spec.config.train.mixed_precision == "bf16":
+                teacher = teacher.bfloat16()  # frozen: no master weights to keep
+            self.teacher = own_storage(teacher).eval().requires_grad_(False)
             self._teacher_host.offload(module_tensors(self.teacher))  # on the device only while scoring
         self.sleep()  # asleep until its first stage: at no time are two groups awake for nothing
         logger.info("ready: %s from %s on %s (%s)", self.trainer.role, self.trainer.init, self.device, backend)
+
+    def _on_device(self, velocity: VelocityFn) -> VelocityFn:
+        """How the rank calls a model: on its device, under bf16 autocast with `[train] mixed_precision`."""
+        if self.spec.config.train.mixed_precision == "bf16":
+            velocity = Autocast(velocity, self.device.type)
+        return OnDevice(velocity, self.device)
 
     @property
     def module(self) -> nn.Module:
@@ -170,7 +196,7 @@ class RankWorker:
     def rollout(self, run_id: str, rollout_id: int) -> ArtifactRef:
         """This rank's backward-simulated samples -> ``rollout-<n>/rollout/rank-<r>``."""
         self.wake()
-        student = OnDevice(self.family.velocity(self.module), self.device)
+        student = self._on_device(self.family.velocity(self.module))
         samples = rollout_shard(student, self.spec.conds, self.plan(rollout_id), self.rank)
         return put_record(self.store, run_id, rollout_id, "rollout", self.rank, samples)
 
@@ -205,7 +231,7 @@ class RankWorker:
         self.wake()
         self._teacher_host.restore()
         try:
-            teacher = OnDevice(self.family.velocity(self.teacher), self.device)
+            teacher = self._on_device(self.family.velocity(self.teacher))
             scores = score(teacher, get_record(self.store, kept), get_record(self.store, pairs), self._ctx(rollout_id))
         finally:
             self._teacher_host.offload(module_tensors(self.teacher))  # docs/architecture.md §1 step 4: offloaded after scoring
@@ -292,7 +318,7 @@ class RankWorker:
                 evaluator = self._get_evaluator()
                 self.module.eval()  # sampled as users sample it
                 try:
-                    evaluation = evaluator.evaluate(OnDevice(self.family.velocity(self.module), self.device))
+                    evaluation = evaluator.evaluate(self._on_device(self.family.velocity(self.module)))
                     baselines = evaluator.baselines() if with_baselines else None
                 finally:
                     self.module.train()

@@ -13,7 +13,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from dmd2.family import RunSpec
 from dmd2.hooks import summarize_critic
-from infra.trainers.cluster import RankResources, rank_placement_group
+from infra.trainers.cluster import RankResources, rank_placement_group, rank_resources
 from infra.trainers.group import TrainerGroup, TrainResult
 from infra.store import ArtifactRef, ArtifactStore
 from infra.trainers.configs import compute_trainer_configs
@@ -45,10 +45,14 @@ class Groups:
             remove_placement_group(self.placement)
 
 
-def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources = RankResources(),
-                 strategy: str = "PACK", checkpoint_dir: str = "checkpoints", num_threads: int = 1) -> Groups:
-    """The groups of the trainer config list, colocated: rank i of each on bundle i of one placement group."""
+def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources | None = None,
+                 strategy: str | None = None, checkpoint_dir: str = "checkpoints", num_threads: int = 1) -> Groups:
+    """The groups of the trainer config list: rank i of each on bundle i of one placement group.
+
+    `resources` and `strategy` default to the recipe's `[cluster]` (`rank_resources`)."""
     trainers = compute_trainer_configs(spec.config, checkpoint_dir)
+    resources = resources or rank_resources(spec.config.cluster, len(trainers))
+    strategy = strategy or spec.config.cluster.placement_strategy
     world_size = spec.config.train.world_size
     placement = rank_placement_group(world_size, resources, groups=len(trainers), strategy=strategy)
     made: dict[str, TrainerGroup] = {}

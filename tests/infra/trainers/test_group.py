@@ -4,6 +4,7 @@ One Ray for the module; every group is built from the tiny teacher and real torc
 """
 
 import dataclasses
+import math
 import os
 
 import pytest
@@ -215,3 +216,19 @@ def test_the_sleep_ledger_shows_no_group_awake_after_each_rollout_checkpoint_and
         groups.shutdown()
     assert ledger == {"built": [], "rollout": [], "checkpoint": [], "evaluation": [], "export": [],
                       "woken": ["actor"]}
+
+
+def test_a_bf16_run_completes_on_cpu_and_computes_in_bf16(world1, tiny_teacher, tmp_path):
+    config = tiny_config(tiny_teacher, 1).replace("train", mixed_precision="bf16")
+    groups = build_groups(run_spec(config), new_store(tmp_path))
+    try:
+        metrics = run_rollout_on_groups(groups, RUN, 0)
+        exported = groups.actor.export_weights(f"{RUN}/exports/bf16.safetensors")[0]
+        student = groups.actor.store.get_tensors(exported)
+    finally:
+        groups.shutdown()
+    fp32 = world1["metrics"][0]
+    assert all(math.isfinite(value) for value in metrics.values())
+    assert metrics["loss"] != fp32["loss"]  # bf16 rounding shows: the compute did run in bf16
+    assert abs(metrics["critic-loss"] - fp32["critic-loss"]) < 0.05 * abs(fp32["critic-loss"])
+    assert all(t.dtype == torch.float32 for t in student.values())  # the master weights stay fp32

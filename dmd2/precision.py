@@ -1,0 +1,25 @@
+"""Mixed precision for a velocity call: bf16 compute, fp32 everywhere else.
+
+Under `Autocast` the model's matmuls and convolutions run in bf16 while its fp32 parameters stay the
+master weights (the optimizer and its state see only fp32), and the velocity comes back in fp32, so
+losses, the DMD gradient, sigmas and timesteps (t = 1000 sigma, formed by the caller in fp32) never
+round to bf16's 8 bits of mantissa, which would put `1000 * sigma` on steps of 4.
+"""
+
+import torch
+from torch import Tensor
+
+from dmd2.model import Cond, VelocityFn
+
+PRECISIONS = ("no", "bf16")
+
+
+class Autocast:
+    """`velocity_fn` computed under torch.autocast(bf16) on `device_type`; returns float32."""
+
+    def __init__(self, velocity_fn: VelocityFn, device_type: str):
+        self.velocity_fn, self.device_type = velocity_fn, device_type
+
+    def __call__(self, x_s: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            return self.velocity_fn(x_s, sigma, cond).float()
