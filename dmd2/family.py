@@ -164,9 +164,10 @@ def family_for(model: ModelConfig) -> ModelFamily:
         cls = family_class(name)
         if cls.claims(model.teacher):
             return cls()
-    raise ConfigError(f"no model family recognises [model] teacher = {model.teacher!r} (families: "
-                      f"{sorted(FAMILIES)}); point it at a model or pipeline directory of one of them, "
-                      "or set [model] family")
+    missing = "" if Path(model.teacher).exists() else " (no such file or directory)"
+    raise ConfigError(f"no model family recognises [model] teacher = {model.teacher!r}{missing} (families: "
+                      f"{sorted(FAMILIES)}); point it at a model or pipeline directory of one of them, or for a "
+                      "hub id set [model] family")
 
 
 def all_commands() -> list[Command]:

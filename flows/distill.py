@@ -95,7 +95,7 @@ def distill(
             if ray_address:
                 os.environ["RAY_ADDRESS"] = ray_address
             result, trained, prepared_now = _run(config, family, run_id, store, tracker, cache, str(recipe))
-        result = write_outputs(store, result, outputs, tracker)
+        result = write_outputs(store, result, outputs, tracker, new=not reported)
         status = "FINISHED"
         return result.to_dict() | {"trained": trained, "reported": reported, "prepared_now": prepared_now}
     finally:

@@ -70,8 +70,10 @@ def find_result(store: ArtifactStore, run_id: str, rollouts: int) -> RunResult |
         return RunResult.from_dict(json.loads((folder / RESULT_NAME).read_text()))
 
 
-def write_outputs(store: ArtifactStore, result: RunResult, output_dir: Path, tracker: RunTracker) -> RunResult:
-    """Copy the student and the pictures to `<output_dir>/<run_id>/`, and the student to MLflow (once)."""
+def write_outputs(store: ArtifactStore, result: RunResult, output_dir: Path, tracker: RunTracker,
+                  new: bool) -> RunResult:
+    """Copy the student and the pictures to `<output_dir>/<run_id>/`, and the student to MLflow: a `new`
+    result always (a continued run replaces its student), a reported one only if MLflow lacks it."""
     local = output_dir / result.run_id
     student_dir = local / "student"
     fetch_dir(store, result.student, student_dir)
@@ -79,7 +81,7 @@ def write_outputs(store: ArtifactStore, result: RunResult, output_dir: Path, tra
     if result.media is not None:
         for name, picture in store.get_tensors(result.media).items():
             pictures[name] = str(save_png(picture.numpy(), local / f"{name}.png"))
-    if not tracker.has_artifacts("student"):
+    if new or not tracker.has_artifacts("student"):
         tracker.log_artifacts(student_dir, "student")
     return RunResult(**(result.__dict__ | {"student_dir": str(student_dir), "pictures": pictures}))
 
