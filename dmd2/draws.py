@@ -1,9 +1,10 @@
 """Every random number of a rollout, drawn so that it does not depend on how the batch is split.
 
-A rollout's global batch holds M = world_size * K * B samples. Each stream ("noise", "stop", ...) is
-drawn for all M rows from a generator seeded by (seed, rollout id, stream name), and a rank keeps its
-own rows. World size 1 and world size 2 therefore see the same numbers for the same sample, resuming a
-run replays the same draws, and the in-process loop and the orchestrated flow agree.
+A rollout's global batch holds M = world_size * K * B samples. Each sample's numbers of each stream
+("noise", "stop", ...) come from a generator keyed by (seed, rollout id, stream name, sample index):
+counter-based, so a rank draws only its own rows (O(its shard), not O(M)), world size 1 and world
+size 2 see the same numbers for the same sample, resuming a run replays the same draws, and the
+in-process loop and the orchestrated flow agree.
 """
 
 import hashlib
@@ -21,27 +22,32 @@ def seeded_generator(*keys: object) -> torch.Generator:
 
 @dataclass(frozen=True)
 class RolloutDraws:
-    """Named random streams of one rollout, each drawn for the whole global batch."""
+    """Named random streams of one rollout, keyed per sample of its global batch of `global_size`."""
 
     seed: int
     rollout_id: int
     global_size: int
 
-    def _generator(self, stream: str) -> torch.Generator:
-        return seeded_generator(self.seed, self.rollout_id, stream)
+    def _generators(self, stream: str, rows: Tensor) -> list[torch.Generator]:
+        rows = rows.tolist()
+        bad = [row for row in rows if not 0 <= row < self.global_size]
+        if bad:
+            raise IndexError(f"sample index {bad[0]} is outside the rollout's global batch of {self.global_size}")
+        return [seeded_generator(self.seed, self.rollout_id, stream, row) for row in rows]
 
     def normal(self, stream: str, rows: Tensor, sample_shape: tuple[int, ...]) -> Tensor:
         """Standard normal noise of shape [len(rows), *sample_shape]."""
-        full = torch.randn((self.global_size, *sample_shape), generator=self._generator(stream))
-        return full[rows]
+        draws = [torch.randn(sample_shape, generator=g) for g in self._generators(stream, rows)]
+        return torch.stack(draws) if draws else torch.empty((0, *sample_shape))
 
     def uniform(self, stream: str, rows: Tensor) -> Tensor:
         """U[0, 1) per row, shape [len(rows)]."""
-        return torch.rand(self.global_size, generator=self._generator(stream))[rows]
+        return torch.tensor([torch.rand((), generator=g).item() for g in self._generators(stream, rows)])
 
     def integers(self, stream: str, high: int, rows: Tensor) -> Tensor:
         """Uniform integers in [0, high) per row, int64 [len(rows)]."""
-        return torch.randint(high, (self.global_size,), generator=self._generator(stream))[rows]
+        return torch.tensor([torch.randint(high, (), generator=g).item() for g in self._generators(stream, rows)],
+                            dtype=torch.int64)
 
 
 def shard_rows(rank: int, world_size: int, steps: int, batch: int) -> Tensor:

@@ -37,7 +37,7 @@ from infra.store.tensors import DTYPE_NAMES
 from tests.infra.conftest import BUCKET, s3_client
 from tests.infra.store.digest_reference import PIECE, reference_digest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 RUN = "run-1"
 
 
