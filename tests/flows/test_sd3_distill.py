@@ -47,6 +47,7 @@ def sd3_runs(prefect_server, fresh_ray, tmp_path_factory):
         with contextlib.redirect_stdout(printed):
             assert main(args + [item for s in SMALL for item in ("--set", s)]) == 0
         out = printed.getvalue()
+        assert f"mlflow ui --backend-store-uri {uri}" in out  # the hint names the tracking URI the run used
         client = MlflowClient(uri)
         [run] = client.search_runs([client.get_experiment_by_name("dmd2").experiment_id],
                                    filter_string=f"tags.`dmd2.run_id` = '{run_id}'")
