@@ -13,23 +13,13 @@ from typing import Any
 import torch
 
 from infra.store import keys as store_keys
-from infra.store.faults import (
-    ArtifactExistsError,
-    IntegrityError,
-    RetryPolicy,
-    StoreAccessError,
-    StoreError,
-    StoreNotFoundError,
-    StoreUnavailableError,
-    check_sha256,
-)
+from infra.store.faults import ArtifactExistsError, RetryPolicy, check_sha256
 from infra.store.digest import file_digest, piecewise_sha256
 from infra.store.io import hidden_sibling, list_local_files
 from infra.store.keys import MANIFEST_NAME, ManifestEntry, validate_key, validate_name
 from infra.store.local import LocalBackend
 from infra.store.refs import ArtifactRef, Checkpoint
 from infra.store.s3 import S3Backend
-
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from mlflow.entities import Metric, Param, RunStatus, RunTag
 log = logging.getLogger(__name__)
 
 RUN_ID_TAG = "dmd2.run_id"
-FLOW_RUN_TAG_PREFIX = "prefect.flow_run."  # + flow run id: one tag per distill flow run (the latest also in prefect.flow_run_id)
+# + a flow run id: one tag per distill flow run (the latest is also in prefect.flow_run_id)
+FLOW_RUN_TAG_PREFIX = "prefect.flow_run."
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 

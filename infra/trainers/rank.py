@@ -63,6 +63,11 @@ class EvalResult:
     baselines: list[tuple[str, dict[str, float]]] | None = None
 
 
+def _pictures(media: dict[str, np.ndarray]) -> dict[str, Tensor]:
+    """An evaluator's uint8 pictures as tensors the store can hold."""
+    return {name: torch.from_numpy(np.ascontiguousarray(picture)) for name, picture in media.items()}
+
+
 def free_port() -> int:
     """A TCP port free on this node now (the OS picks it), for torch.distributed's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -234,7 +239,7 @@ class RankWorker:
             teacher = self._on_device(self.family.velocity(self.teacher))
             scores = score(teacher, get_record(self.store, kept), get_record(self.store, pairs), self._ctx(rollout_id))
         finally:
-            self._teacher_host.offload(module_tensors(self.teacher))  # docs/architecture.md §1 step 4: offloaded after scoring
+            self._teacher_host.offload(module_tensors(self.teacher))  # offloaded after scoring (architecture §1.4)
         return put_record(self.store, run_id, rollout_id, "score", self.rank, scores)
 
     # -- sleep / wake --------------------------------------------------------------------------
@@ -322,7 +327,7 @@ class RankWorker:
                     baselines = evaluator.baselines() if with_baselines else None
                 finally:
                     self.module.train()
-                media = {name: torch.from_numpy(np.ascontiguousarray(picture)) for name, picture in evaluation.media.items()}
+                media = _pictures(evaluation.media)
                 media_ref = self.store.put_tensors(f"{run_id}/eval/{step}/media.safetensors", media) if media else None
                 result = EvalResult(evaluation.scores, media_ref, baselines)
             return self._from_rank0(result)
@@ -333,8 +338,7 @@ class RankWorker:
         if self.rank == 0:
             media = self._get_evaluator().reference_media()
             if media:
-                tensors = {name: torch.from_numpy(np.ascontiguousarray(picture)) for name, picture in media.items()}
-                ref = self.store.put_tensors(f"{run_id}/eval/reference/media.safetensors", tensors)
+                ref = self.store.put_tensors(f"{run_id}/eval/reference/media.safetensors", _pictures(media))
         return self._from_rank0(ref)
 
     def _get_evaluator(self):
