@@ -161,7 +161,7 @@ class ArtifactStore:
             writer.abort()
             raise
         ref = self._new_ref(key, piecewise_sha256(manifest), _total(entries), "dir")
-        logger.info("stored directory %s (%d files, %d bytes)", ref.uri, len(entries), ref.nbytes)
+        logger.debug("stored directory %s (%d files, %d bytes)", ref.uri, len(entries), ref.nbytes)
         return ref
 
     def get_dir(self, ref: ArtifactRef, local_dir: str | os.PathLike) -> Path:
