@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 
 from dmd2.family import default_cache_dir
+from dmd2.report import format_table
 from flows.recipe import DEFAULT_RECIPE, check_run_id, run_config
 
 MLFLOW_HINT = "mlflow ui --backend-store-uri {uri}   # then open http://127.0.0.1:5000"
@@ -58,19 +59,6 @@ def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
                      store_uri=args.store, ray_address=args.ray_address, tracking_uri=args.tracking_uri,
                      cache_dir=str(args.cache_dir), output_dir=str(args.output_dir))
     return result, family.report_columns
-
-
-def format_table(rows: list[tuple[str, dict[str, float]]], columns: dict[str, str]) -> str:
-    """A Markdown table of named score rows (it reads in a terminal and pastes into BENCHMARKS.md); a
-    column no row has (e.g. a CLIP score without a CLIP model) is left out, a missing value is shown as -."""
-    columns = {key: heading for key, heading in columns.items() if any(key in scores for _, scores in rows)}
-
-    def cell(scores: dict[str, float], key: str) -> str:
-        return "-" if key not in scores else f"{scores[key]:.3f}" if "accuracy" in key else f"{scores[key]:.4g}"
-
-    lines = ["| row | " + " | ".join(columns.values()) + " |", "|---|" + "---:|" * len(columns)]
-    lines += [f"| {name} | " + " | ".join(cell(scores, key) for key in columns) + " |" for name, scores in rows]
-    return "\n".join(lines)
 
 
 def _report(result: dict, columns: dict[str, str], tracking_uri: str | None) -> None:

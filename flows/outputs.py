@@ -5,6 +5,7 @@ reports instead of training again. Local outputs live in their own tree, `<outpu
 the exported student (`student/`) and each evaluation picture (`<name>.png`) of the last evaluation.
 """
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -83,7 +84,7 @@ def write_outputs(store: ArtifactStore, result: RunResult, output_dir: Path, tra
             pictures[name] = str(save_png(picture.numpy(), local / f"{name}.png"))
     if new or not tracker.has_artifacts("student"):
         tracker.log_artifacts(student_dir, "student")
-    return RunResult(**(result.__dict__ | {"student_dir": str(student_dir), "pictures": pictures}))
+    return dataclasses.replace(result, student_dir=str(student_dir), pictures=pictures)
 
 
 def fetch_dir(store: ArtifactStore, ref: ArtifactRef, dest: Path) -> None:

@@ -24,7 +24,6 @@ PREPARED_PREFIX = "_shared/prepared"  # run ids cannot start with "_": no run's 
 
 
 def _make_and_store(family: ModelFamily, config: DistillConfig, store: ArtifactStore, key: str) -> ArtifactRef:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     tables = family.prepare(config)
     with tempfile.TemporaryDirectory() as tmp:
         for name, tensors in tables.items():

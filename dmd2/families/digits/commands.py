@@ -82,14 +82,16 @@ def _table(args: argparse.Namespace) -> int:
     import torch
 
     from dmd2.config import load_recipe, parse_overrides
-    from dmd2.families.digits.table import format_table, quality_table
+    from dmd2.families.digits.family import DigitsFamily
+    from dmd2.families.digits.table import quality_table
+    from dmd2.report import format_table
 
     torch.set_num_threads(args.threads)
     overrides = parse_overrides(args.overrides)
     recipes = {}
     for path in args.recipe or [RECIPES / "digits-4step.toml", RECIPES / "digits-1step.toml"]:
         recipes[f"DMD2 student ({Path(path).stem})"] = load_recipe(path, overrides)
-    print(format_table(quality_table(recipes, args.cache_dir)))
+    print(format_table(quality_table(recipes, args.cache_dir), DigitsFamily.report_columns))
     return 0
 
 

@@ -7,7 +7,6 @@ distill a 4-step and a 1-step student with `dmd2.loop`, and score every row the 
 import copy
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,12 +23,11 @@ from dmd2.progress import progress_bar
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Row:
-    name: str
-    fd_real: float
-    fd_teacher: float
-    accuracy: float
+Row = tuple[str, dict[str, float]]  # (name, {eval/fd_real, eval/fd_teacher, eval/accuracy}): see dmd2.report
+
+
+def _row(name: str, scores: dict[str, float]) -> Row:
+    return name, {f"eval/{key}": value for key, value in scores.items()}
 
 
 def _steps(n: int) -> str:
@@ -65,26 +63,19 @@ def quality_table(recipes: dict[str, DistillConfig], cache_dir: Path) -> list[Ro
     yardstick = Yardstick.build(evaluator, splits, teacher_fn, num_samples=ev.num_samples,
                                 reference_steps=ev.reference_steps, guidance_scale=guidance, seed=first.train.seed)
     real = splits.train_images[: ev.num_samples], splits.train_labels[: ev.num_samples]
-    rows = [Row("real data (train split vs held-out)", **yardstick.score(*real))]
+    rows = [_row("real data (train split vs held-out)", yardstick.score(*real))]
     for scale in (guidance, 1.0):
         for steps in (ev.reference_steps, 4, 1):
             scores = yardstick.score_model(teacher_fn, sampler="teacher", num_steps=steps, guidance_scale=scale)
-            rows.append(Row(f"teacher, {_steps(steps)}, guidance {scale:g}", **scores))
+            rows.append(_row(f"teacher, {_steps(steps)}, guidance {scale:g}", scores))
     for steps in (4, 1):
         scores = yardstick.score_model(teacher_fn, sampler="student", num_steps=steps)
-        rows.append(Row(f"untrained student, {_steps(steps)}", **scores))
+        rows.append(_row(f"untrained student, {_steps(steps)}", scores))
     for name, config in recipes.items():
         started = time.monotonic()
         student = _distill(config, copy.deepcopy(teacher), cache_dir, name)
         scores = yardstick.score_model(DiffusersVelocity(student), sampler="student",
                                        num_steps=config.student.num_steps, shift=config.student.grid_shift)
         log.info("%s distilled in %.0f s", name, time.monotonic() - started)
-        rows.append(Row(name, **scores))
+        rows.append(_row(name, scores))
     return rows
-
-
-def format_table(rows: list[Row]) -> str:
-    """A Markdown table (it reads in a terminal and pastes into BENCHMARKS.md)."""
-    lines = ["| row | FD vs real | FD vs teacher 32-step | class accuracy |", "|---|---:|---:|---:|"]
-    lines += [f"| {r.name} | {r.fd_real:.2f} | {r.fd_teacher:.2f} | {r.accuracy:.3f} |" for r in rows]
-    return "\n".join(lines)
