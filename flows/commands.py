@@ -7,6 +7,7 @@ family, the run id, and that the store and the local outputs are separate folder
 import argparse
 from pathlib import Path
 
+from dmd2.config import ConfigError
 from dmd2.family import default_cache_dir
 from dmd2.report import format_table
 from flows.recipe import DEFAULT_RECIPE, check_run_id, run_config
@@ -98,6 +99,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     import torch
 
     config, family = run_config(args.recipe, args.overrides)
+    if not args.student.is_dir():
+        raise ConfigError(f"--student {args.student} is not a directory; give a run's exported student, e.g. "
+                          "outputs/<run id>/student")
     config = family.resolve(config, args.cache_dir)
     student = family.load_model(str(args.student)).eval()
     with torch.no_grad():

@@ -29,6 +29,7 @@ def refusal(argv: list[str], capsys) -> str:
     (["distill", "--set", "rollouts"], "write SECTION.KEY=VALUE"),
     (["distill", "--set", "model.family=video"], r"\[model\] family = 'video' is not a model family"),
     (["distill", "--output-dir", "artifacts/out"], "--output-dir artifacts/out and --store .* overlap"),
+    (["evaluate", "--student", "no/such/student"], "--student no/such/student is not a directory"),
 ])
 def test_bad_options_are_refused_with_the_option_named(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
