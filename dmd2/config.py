@@ -103,6 +103,12 @@ class TrainConfig:
     eval_interval: int = option(0, "Evaluate every this many rollouts; 0: only at the end.")
     mixed_precision: str = option("no", "`bf16`: bf16 compute with fp32 master weights and optimizer state, the "
                                         "frozen teacher held in bf16; `no`: fp32 throughout.")
+    parallel: str = option("ddp", "`ddp`: every rank holds the whole model, gradients averaged; `fsdp`: FSDP2 shards "
+                                  "parameters, gradients and optimizer state over the ranks, block by block (for "
+                                  "models that do not fit a GPU several times over).")
+    activation_checkpointing: bool = option(False, "Recompute each block's activations in backward instead of "
+                                                   "keeping them (diffusers' gradient checkpointing): less memory, "
+                                                   "about a third more compute per step.")
     keep_rollouts: int = option(
         2, "Rollouts whose artifacts stay in the store (the newest); older ones are deleted as the run goes, "
         "checkpoints never. Set it >= rollouts to keep them all."
@@ -122,6 +128,7 @@ class ClusterConfig:
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD")
+PARALLELISMS = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -309,6 +316,7 @@ def _validate(config: DistillConfig) -> None:
            "[train] save_interval and eval_interval must be >= 0 (0: only at the end)")
     _check(train.mixed_precision in PRECISIONS,
            f"[train] mixed_precision must be one of {PRECISIONS}, got {train.mixed_precision!r}")
+    _check(train.parallel in PARALLELISMS, f"[train] parallel must be one of {PARALLELISMS}, got {train.parallel!r}")
     cluster = config.cluster
     _check(cluster.gpus_per_rank is None or cluster.gpus_per_rank >= 0,
            f"[cluster] gpus_per_rank must be >= 0 (0: CPU ranks), got {cluster.gpus_per_rank}")

@@ -14,6 +14,9 @@ import torch
 from torch import Tensor
 
 
+Device = torch.device | str
+
+
 def seeded_generator(*keys: object) -> torch.Generator:
     """A CPU generator seeded by a stable hash of `keys` (Python's hash() is salted per process)."""
     digest = hashlib.sha256(repr(keys).encode()).digest()
@@ -29,25 +32,26 @@ class RolloutDraws:
     global_size: int
 
     def _generators(self, stream: str, rows: Tensor) -> list[torch.Generator]:
-        rows = rows.tolist()
+        rows = rows.tolist()  # sample indices: kept on the host (`shard_rows`), so no device sync here
         bad = [row for row in rows if not 0 <= row < self.global_size]
         if bad:
             raise IndexError(f"sample index {bad[0]} is outside the rollout's global batch of {self.global_size}")
         return [seeded_generator(self.seed, self.rollout_id, stream, row) for row in rows]
 
-    def normal(self, stream: str, rows: Tensor, sample_shape: tuple[int, ...]) -> Tensor:
-        """Standard normal noise of shape [len(rows), *sample_shape]."""
+    # Drawn on the CPU and moved once: the same numbers on every device, one host-to-device copy per draw.
+    def normal(self, stream: str, rows: Tensor, sample_shape: tuple[int, ...], device: Device = "cpu") -> Tensor:
+        """Standard normal noise of shape [len(rows), *sample_shape], on `device`."""
         draws = [torch.randn(sample_shape, generator=g) for g in self._generators(stream, rows)]
-        return torch.stack(draws) if draws else torch.empty((0, *sample_shape))
+        return (torch.stack(draws) if draws else torch.empty((0, *sample_shape))).to(device)
 
-    def uniform(self, stream: str, rows: Tensor) -> Tensor:
-        """U[0, 1) per row, shape [len(rows)]."""
-        return torch.tensor([torch.rand((), generator=g).item() for g in self._generators(stream, rows)])
+    def uniform(self, stream: str, rows: Tensor, device: Device = "cpu") -> Tensor:
+        """U[0, 1) per row, shape [len(rows)], on `device`."""
+        return torch.tensor([torch.rand((), generator=g).item() for g in self._generators(stream, rows)]).to(device)
 
-    def integers(self, stream: str, high: int, rows: Tensor) -> Tensor:
-        """Uniform integers in [0, high) per row, int64 [len(rows)]."""
+    def integers(self, stream: str, high: int, rows: Tensor, device: Device = "cpu") -> Tensor:
+        """Uniform integers in [0, high) per row, int64 [len(rows)], on `device`."""
         return torch.tensor([torch.randint(high, (), generator=g).item() for g in self._generators(stream, rows)],
-                            dtype=torch.int64)
+                            dtype=torch.int64).to(device)
 
 
 def shard_rows(rank: int, world_size: int, steps: int, batch: int) -> Tensor:

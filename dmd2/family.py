@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol
 
 import numpy as np
+import torch
 from torch import Tensor, nn
 
 from dmd2.conditioning import CondSource
@@ -128,12 +129,16 @@ class ModelFamily:
         """The once-per-run inputs, as named tensor tables (e.g. the encoded prompts)."""
         raise NotImplementedError
 
-    def bind(self, prepared: dict[str, dict[str, Tensor]]) -> "ModelFamily":
-        """This family holding the prepared inputs (on the ranks, before any model call)."""
+    def bind(self, prepared: dict[str, dict[str, Tensor]], device: torch.device | str = "cpu") -> "ModelFamily":
+        """This family holding the prepared inputs on `device` (on the ranks, before any model call:
+        moved there once, so no model call copies them)."""
         return self
 
-    def load_model(self, path: str) -> nn.Module:
-        """The component that trains (and the frozen teacher's), loaded from a directory or hub id."""
+    def load_model(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:
+        """The component that trains (and the frozen teacher's), loaded from a directory or hub id.
+
+        `dtype`: the dtype the rank trains or holds the model in (e.g. the frozen teacher in bf16 under
+        `[train] mixed_precision = "bf16"`), loaded straight into it; None is the family's default (fp32)."""
         raise NotImplementedError
 
     def velocity(self, model: nn.Module) -> VelocityFn:

@@ -35,20 +35,21 @@ def critic_loss_hook(
 ) -> tuple[Tensor, dict[str, float], ScoringInputs | None]:
     """The critic's flow-matching loss; the last step also keeps the scoring inputs (fused or original)."""
     plan, dmd2, draws = ctx.plan, ctx.dmd2, ctx.plan.draws
+    device = batch.x0.device
     last = step == plan.critic_steps - 1
     kept = None
     if last and dmd2.critic_scoring == "original":  # before this step's update, with its own draw
         kept = separate_critic_draw(
             critic, batch.x0, batch.cond, batch.sample_index,
-            draws.normal("score/noise", batch.sample_index, plan.sample_shape),
-            draws.uniform("score/sigma", batch.sample_index),
+            draws.normal("score/noise", batch.sample_index, plan.sample_shape, device),
+            draws.uniform("score/sigma", batch.sample_index, device),
             shift=dmd2.critic_shift, score_sigma_range=dmd2.score_sigma_range, sampling=dmd2.critic_sigma_sampling,
         )
     fused = last and dmd2.critic_scoring == "fused"
     loss, fused_kept = critic_loss(
         critic, batch.x0, batch.cond, batch.sample_index,
-        draws.normal("critic/noise", batch.sample_index, plan.sample_shape),
-        draws.uniform("critic/sigma", batch.sample_index),
+        draws.normal("critic/noise", batch.sample_index, plan.sample_shape, device),
+        draws.uniform("critic/sigma", batch.sample_index, device),
         shift=dmd2.critic_shift, loss_space=dmd2.critic_loss_space,
         score_sigma_range=dmd2.score_sigma_range if fused else None, sampling=dmd2.critic_sigma_sampling,
     )

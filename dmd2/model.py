@@ -36,14 +36,18 @@ class DiffusersVelocity:
         return self.model(**{self._input_name: x_s}, timestep=t, **cond, return_dict=False)[0]
 
 
-def load_pretrained(path: str) -> nn.Module:
-    """A diffusers model from a `save_pretrained` directory (or a hub id the machine can reach).
+def load_pretrained(path: str, dtype: torch.dtype | None = None) -> nn.Module:
+    """A diffusers model from a `save_pretrained` directory (or a hub id the machine can reach), in `dtype`.
 
-    Weights load eagerly: the lazy path (`low_cpu_mem_usage`) needs accelerate, which nothing else here does.
+    `dtype` None keeps diffusers' default, torch's default dtype (fp32). The model is built on the meta
+    device and each weight goes from the (memory-mapped) safetensors straight into a tensor of `dtype`
+    (`low_cpu_mem_usage`, through accelerate), so a rank never holds a full fp32 copy on the host to
+    cast afterwards. Weights that need no cast may stay in the file mapping: `own_storage` gives them
+    storages of their own before they are offloaded (infra/trainers/offload.py).
     """
     from diffusers import AutoModel  # slow to import; only model loading needs it
 
-    return AutoModel.from_pretrained(str(path), low_cpu_mem_usage=False)
+    return AutoModel.from_pretrained(str(path), low_cpu_mem_usage=True, torch_dtype=dtype)
 
 
 def guided(velocity_fn: VelocityFn, scale: float, neg_cond: Cond) -> VelocityFn:

@@ -47,6 +47,7 @@ def backward_simulate(
     stop_index: Tensor,
     cond: Cond,
     renoise: Tensor,
+    lockstep: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run each sample's steps before its stop index; return (x_i, x0_hat_i, sigma_i).
 
@@ -54,15 +55,27 @@ def backward_simulate(
     in [0, N] (N runs the whole trajectory: x_i = x0_hat = the final sample, sigma_i = 0);
     renoise [N - 1, M, ...] is the fresh noise of each transition j -> j + 1. Only samples still running
     are evaluated, so a sample stopping at i costs exactly i + 1 student calls.
+
+    ``lockstep`` makes exactly N student calls whatever the stop indices, as a sharded (FSDP) student
+    needs: its every forward is a collective, so all ranks must step through the grid together. A step
+    with no sample left still runs, on one row whose result is dropped (a model cannot take 0 rows).
+    The stop indices live on the host (`stop_index` is read to pick rows: no device sync).
     """
     num_steps = sigmas.shape[0]
+    device = noise.device
+    sigmas = sigmas.to(device)
     x = noise.clone()
     x_i, x0_hat = torch.empty_like(noise), torch.empty_like(noise)
-    sigma_i = torch.zeros(noise.shape[0])
+    sigma_i = torch.zeros(noise.shape[0], device=device)
+    stop_index = stop_index.cpu()
     for j in range(num_steps):
         rows = (stop_index >= j).nonzero().squeeze(1)
         if rows.numel() == 0:
-            break
+            if not lockstep:
+                break
+            idle = torch.zeros(1, dtype=torch.long)
+            student(x[idle], sigmas[j].expand(1), cond_rows(cond, idle))  # keeps the ranks' collectives in step
+            continue
         sigma = sigmas[j].expand(rows.numel())
         x0 = x0_from_velocity(x[rows], sigma, student(x[rows], sigma, cond_rows(cond, rows)))
         stops = stop_index[rows] == j
@@ -78,16 +91,21 @@ def backward_simulate(
     return x_i, x0_hat, sigma_i
 
 
-def rollout_shard(student: VelocityFn, conds: CondSource, plan: RolloutPlan, rank: int) -> RolloutSamples:
-    """Backward-simulated student samples for this rank's K*B rows of the rollout's global batch."""
+def rollout_shard(student: VelocityFn, conds: CondSource, plan: RolloutPlan, rank: int,
+                  device: torch.device | str = "cpu", lockstep: bool = False) -> RolloutSamples:
+    """Backward-simulated student samples for this rank's K*B rows of the rollout's global batch.
+
+    Every tensor is made on ``device`` (the student's) and stays there; ``lockstep``: see `backward_simulate`.
+    """
     draws, rows = plan.draws, shard_rows(rank, plan.world_size, plan.critic_steps, plan.batch)
     stop_index = draws.integers("stop", plan.num_steps, rows)
-    noise = draws.normal("noise", rows, plan.sample_shape)
-    renoise = [draws.normal(f"renoise/{j}", rows, plan.sample_shape) for j in range(plan.num_steps - 1)]
+    noise = draws.normal("noise", rows, plan.sample_shape, device)
+    renoise = [draws.normal(f"renoise/{j}", rows, plan.sample_shape, device) for j in range(plan.num_steps - 1)]
     renoise = torch.stack(renoise) if renoise else noise.new_empty((0, *noise.shape))
     cond, neg_cond = conds(draws, rows)
+    cond, neg_cond = ({key: value.to(device) for key, value in c.items()} for c in (cond, neg_cond))
     sigmas = student_sigmas(plan.num_steps, plan.shift)
-    x_i, x0_hat, sigma = backward_simulate(student, noise, sigmas, stop_index, cond, renoise)
+    x_i, x0_hat, sigma = backward_simulate(student, noise, sigmas, stop_index, cond, renoise, lockstep)
     return RolloutSamples(x_i, x0_hat, sigma, stop_index, cond, neg_cond, rows)
 
 

@@ -7,6 +7,7 @@ field `cond` with key `class_labels` is stored as `cond.class_labels`.
 import dataclasses
 from typing import TypeVar
 
+import torch
 from torch import Tensor
 
 Record = TypeVar("Record")
@@ -47,3 +48,24 @@ def select_rows(record: Record, rows: Tensor | slice) -> Record:
         value = getattr(record, field.name)
         picked[field.name] = {k: v[rows] for k, v in value.items()} if isinstance(value, dict) else value[rows]
     return type(record)(**picked)
+
+
+HOST_FIELDS = frozenset({"sample_index"})  # bookkeeping keys the host reads (draws, matching scores to pairs)
+
+
+def to_device(record: Record, device: torch.device | str) -> Record:
+    """The record with its tensors on `device`, once per stage, so no model call moves data.
+
+    `sample_index` stays on the host: it only keys draws and matches scores to pairs, and reading it
+    from a GPU would synchronize the device.
+    """
+    moved = {}
+    for field in dataclasses.fields(record):
+        value = getattr(record, field.name)
+        if field.name in HOST_FIELDS:
+            moved[field.name] = value.cpu()
+        elif isinstance(value, dict):
+            moved[field.name] = {k: v.to(device) for k, v in value.items()}
+        else:
+            moved[field.name] = value.to(device)
+    return type(record)(**moved)

@@ -1,26 +1,46 @@
-"""A trainer group's checkpoint folder: model, optimizer, lr schedule, RNG states, step counters.
+"""A trainer group's checkpoint: sharded model and optimizer state, lr schedule, RNG states, step counters.
 
-Layout of one checkpoint (stored with `ArtifactStore.put_dir`, so it becomes visible atomically):
+A checkpoint of step n is rank 0's directory ``<run_id>/<checkpoint_dir>/<n>`` plus one directory
+``<n>-rank-<r>`` per other rank that wrote shards. Every rank stores its own part (ranks may be on
+different machines); rank 0 stores its directory last, naming the others' refs in
+``checkpoint.json``, so a checkpoint becomes visible (its manifest lands) only when all of it is.
 
-    model/                  the trained model, `save_pretrained` (loadable by diffusers as usual)
-    optimizer.safetensors   per-parameter optimizer state, ``state.<param index>.<name>``
-    optimizer.json          param_groups and any non-tensor state
+Rank 0's directory:
+
+    __0_0.distcp, dcp_metadata.json, param_groups.json   model and optimizer (`infra.trainers.sharded`:
+                                                          keyed by parameter name, reshardable)
     scheduler.json          the lr scheduler's state_dict
     rng/rank-<r>.safetensors  each rank's torch RNG states (CPU, and CUDA where present)
-    checkpoint.json         role, step, world size, step counters, linked checkpoints
+    checkpoint.json         role, step, world size, step counters, linked checkpoints, the other ranks' parts
 
 Only safetensors and JSON are written, so loading never unpickles anything.
 """
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from infra.store import ArtifactRef, ArtifactStore
+from infra.store import keys as store_keys
+from infra.trainers.sharded import load_sharded, save_sharded
+
 INFO_NAME = "checkpoint.json"
+
+
+def checkpoint_key(run_id: str, checkpoint_dir: str, step: int) -> str:
+    """``<run_id>/<checkpoint_dir>/<step>``: the actor's default dir gives the store's `checkpoint_key`."""
+    return store_keys.validate_key(f"{run_id}/{checkpoint_dir}/{int(step)}")
+
+
+def part_key(key: str, rank: int) -> str:
+    """The key of rank ``rank``'s part of the checkpoint at ``key`` (a sibling: not a step folder)."""
+    return f"{key}-rank-{rank}"
 
 
 def rng_state() -> dict[str, Tensor]:
@@ -37,39 +57,9 @@ def set_rng_state(states: dict[str, Tensor]) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    state = optimizer.state_dict()
-    tensors, other = {}, {}
-    for index, values in state["state"].items():
-        for name, value in values.items():
-            if isinstance(value, Tensor):
-                tensors[f"state.{index}.{name}"] = value.detach().cpu().contiguous()
-            else:
-                other[f"{index}.{name}"] = value
-    return tensors, {"param_groups": state["param_groups"], "other_state": other}
-
-
-def _optimizer_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        _, index, name = key.split(".", 2)
-        state.setdefault(int(index), {})[name] = value.clone()
-    for key, value in meta["other_state"].items():
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = value
-    groups = [{**group, "betas": tuple(group["betas"])} if "betas" in group else group
-              for group in meta["param_groups"]]  # JSON made the tuple a list
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-def write_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                scheduler: torch.optim.lr_scheduler.LRScheduler, rng_states: list[dict[str, Tensor]],
-                info: dict[str, Any]) -> None:
-    """Write a checkpoint into the empty local ``folder`` (``model`` unwrapped: a diffusers model)."""
-    model.save_pretrained(folder / "model", safe_serialization=True)
-    tensors, meta = _optimizer_tensors(optimizer)
-    save_file(tensors, str(folder / "optimizer.safetensors"))
-    (folder / "optimizer.json").write_text(json.dumps(meta, sort_keys=True))
+def write_rank0_files(folder: Path, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                      rng_states: list[dict[str, Tensor]], info: dict[str, Any]) -> None:
+    """Add what only rank 0 writes (schedule, every rank's RNG, ``checkpoint.json``) to its ``folder``."""
     sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
     (folder / "scheduler.json").write_text(json.dumps(sched, sort_keys=True))
     (folder / "rng").mkdir()
@@ -78,21 +68,52 @@ def write_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     (folder / INFO_NAME).write_text(json.dumps(info, sort_keys=True, indent=1))
 
 
-def read_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-               scheduler: torch.optim.lr_scheduler.LRScheduler, rank: int) -> dict[str, Any]:
-    """Load a checkpoint written by `write_state` in place; returns its ``checkpoint.json``.
+def read_info(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / INFO_NAME).read_text())
 
-    The RNG state of ``rank`` is restored when the checkpoint has one (same or larger world size).
-    """
-    weights: dict[str, Tensor] = {}
-    for path in sorted((folder / "model").glob("*.safetensors")):
-        weights.update(load_file(str(path)))
-    model.load_state_dict(weights, strict=True)
-    meta = json.loads((folder / "optimizer.json").read_text())
-    optimizer.load_state_dict(_optimizer_state(load_file(str(folder / "optimizer.safetensors")), meta))
+
+def read_rank_files(folder: Path, scheduler: torch.optim.lr_scheduler.LRScheduler, num_groups: int,
+                    rank: int) -> None:
+    """Restore the lr schedule and, when the checkpoint has one for ``rank``, its RNG states."""
     sched = json.loads((folder / "scheduler.json").read_text())
-    scheduler.load_state_dict(sched | {"lr_lambdas": [None] * len(optimizer.param_groups)})
+    scheduler.load_state_dict(sched | {"lr_lambdas": [None] * num_groups})
     rng_path = folder / "rng" / f"rank-{rank}.safetensors"
     if rng_path.exists():
         set_rng_state(load_file(str(rng_path)))
-    return json.loads((folder / INFO_NAME).read_text())
+
+
+def save_checkpoint(store: ArtifactStore, key: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, rng_states: list[dict[str, Tensor]],
+                    info: dict[str, Any], objects: dist.ProcessGroup | None) -> ArtifactRef | None:
+    """Every rank stores its part; rank 0 stores its directory at ``key`` last and returns its ref (None
+    on other ranks). ``objects``: the process group that carries Python objects between ranks."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "checkpoint"
+        save_sharded(folder, model, optimizer)  # each rank its own shards
+        part = store.put_dir(part_key(key, rank), folder) if rank != 0 and any(folder.iterdir()) else None
+        parts: list[Any] = [None] * world_size
+        dist.all_gather_object(parts, part, group=objects)  # every part is stored before rank 0's directory
+        if rank != 0:
+            return None
+        info = info | {"parts": {str(r): ref.to_dict() for r, ref in enumerate(parts) if ref is not None}}
+        write_rank0_files(folder, scheduler, rng_states, info)
+        return store.put_dir(key, folder)
+
+
+def load_checkpoint(store: ArtifactStore, checkpoint: ArtifactRef, role: str, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                    rank: int) -> dict[str, Any]:
+    """Load a checkpoint of ``role`` in place (every rank calls, at any world size); returns its info."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = store.get_dir(checkpoint, Path(tmp) / "checkpoint")
+        info = read_info(folder)
+        if info["role"] != role:
+            raise ValueError(f"{checkpoint.uri} is a {info['role']!r} checkpoint; load it into the "
+                             f"{info['role']} group, not the {role} group")
+        for saver, part in info["parts"].items():  # DCP reads every rank's shards from one folder
+            for path in store.get_dir(ArtifactRef.from_dict(part), Path(tmp) / f"rank-{saver}").iterdir():
+                path.rename(folder / path.name)
+        load_sharded(folder, model, optimizer)
+        read_rank_files(folder, scheduler, len(optimizer.param_groups), rank)
+    return info

@@ -130,6 +130,9 @@ class TrainerGroup:
     def device_memory(self) -> list[int]:
         return self._each("device_memory")
 
+    def peak_device_memory(self, reset: bool = False) -> list[int]:
+        return self._each("peak_device_memory", reset)
+
     def node_ids(self) -> list[str]:
         return self._each("node_id")
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -21,11 +22,19 @@ def _bytes_of(storage: torch.UntypedStorage) -> Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def local(tensor: Tensor) -> Tensor:
+    """The rank's own part of a tensor: a DTensor's local shard (FSDP2), else the tensor itself.
+
+    FSDP2's shard is a view into its padded flat storage, so parking that storage parks the shard.
+    """
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def module_tensors(module: nn.Module) -> list[Tensor]:
-    """Parameters and buffers of ``module`` (gradients are dropped, see the module docstring)."""
+    """Parameters and buffers of ``module``, shard-wise (gradients are dropped, see the module docstring)."""
     for param in module.parameters():
         param.grad = None
-    return [*module.parameters(), *module.buffers()]
+    return [local(tensor) for tensor in [*module.parameters(), *module.buffers()]]
 
 
 def own_storage(module: nn.Module) -> nn.Module:
@@ -42,7 +51,7 @@ def own_storage(module: nn.Module) -> nn.Module:
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """Every tensor of the optimizer's per-parameter state (AdamW: step, exp_avg, exp_avg_sq)."""
-    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, Tensor)]
+    return [local(value) for state in optimizer.state.values() for value in state.values() if isinstance(value, Tensor)]
 
 
 class HostCopy:

@@ -13,7 +13,7 @@ from dmd2.convert import TrainPairs
 from dmd2.critic import ScoringInputs
 from dmd2.rollout import RolloutSamples
 from dmd2.scoring import Scores
-from dmd2.tensors import from_tensor_dict, to_tensor_dict
+from dmd2.tensors import from_tensor_dict, to_device, to_tensor_dict
 from infra.store import ArtifactRef, ArtifactStore
 
 RECORD_TYPES: dict[str, type] = {cls.__name__: cls for cls in (RolloutSamples, TrainPairs, ScoringInputs, Scores)}
@@ -26,17 +26,18 @@ def put_record(store: ArtifactStore, run_id: str, rollout_id: int, task: str, ra
     if RECORD_TYPES.get(name) is not type(record):
         raise TypeError(f"{task}: a {name} cannot travel between ranks; return one of {sorted(RECORD_TYPES)} "
                         "(or add the dataclass to infra.trainers.payloads.RECORD_TYPES)")
-    tensors = to_tensor_dict(record)
+    tensors = {name: tensor.cpu() for name, tensor in to_tensor_dict(record).items()}  # once per stage
     tensors[RECORD_KEY] = torch.frombuffer(bytearray(name.encode()), dtype=torch.uint8)
     return store.put_tensors(store.rollout_key(run_id, rollout_id, task, rank), tensors)
 
 
-def get_record(store: ArtifactStore, ref: ArtifactRef) -> object:
-    """The record stored at ``ref`` (its sha256 verified by the store), rebuilt as its own type."""
+def get_record(store: ArtifactStore, ref: ArtifactRef, device: torch.device | str = "cpu") -> object:
+    """The record stored at ``ref`` (its sha256 verified by the store), rebuilt as its own type on
+    ``device`` (the rank's: a stage moves its inputs once, `dmd2.tensors.to_device`)."""
     tensors = dict(store.get_tensors(ref))
     marker = tensors.pop(RECORD_KEY, None)
     name = bytes(marker.tolist()).decode() if marker is not None else None
     if name not in RECORD_TYPES:
         raise ValueError(f"{ref.uri} holds no known record (found {name!r}); expected one of {sorted(RECORD_TYPES)}")
     # Copies: hooks may write in place, and a record must not alias the store's read buffer.
-    return from_tensor_dict(RECORD_TYPES[name], {k: v.clone() for k, v in tensors.items()})
+    return to_device(from_tensor_dict(RECORD_TYPES[name], {k: v.clone() for k, v in tensors.items()}), device)

@@ -1,9 +1,9 @@
 """One rank of a trainer group: a rank worker (run as a Ray actor) holding its share of a data-parallel model.
 
 `RankWorker` is plain Python; `infra.trainers.group.TrainerGroup` runs one per rank as a Ray actor and joins
-them with torch.distributed (gloo on CPU, nccl on CUDA). The model is wrapped in DDP (see
-`parallelize`); forwards without grad (rollout, scoring) run on the unwrapped module, so ranks may
-make different numbers of them without a collective falling out of step.
+them with torch.distributed (gloo on CPU, nccl on CUDA). The model is a DDP replica or FSDP2 shards
+(`infra.trainers.parallel`). A stage moves its inputs onto the rank's device once and makes every
+tensor there (noise, latents, losses); only its output goes back to the host, into the store.
 
 Every public method takes and returns `ArtifactRef`s (or small dicts of numbers): payloads are
 read from and written to the artifact store here, on the rank, never by the driver.
@@ -12,7 +12,6 @@ read from and written to the artifact store here, on the rank, never by the driv
 import hashlib
 import logging
 import os
-import socket
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from dmd2.convert import samples_to_train_pairs
 from dmd2.family import RunSpec
@@ -33,13 +33,13 @@ from dmd2.plan import RolloutPlan, rollout_plan
 from dmd2.precision import Autocast
 from dmd2.rollout import rollout_shard
 from dmd2.trainer import HookContext, train_state, train_steps
-from infra.store import keys as store_keys
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.offload import HostCopy, module_tensors, optimizer_tensors, own_storage
+from infra.trainers.parallel import ddp, free_port, fsdp, full_state_dict, rank_device, unsharded_copy
 from infra.trainers.payloads import get_record, put_record
 from infra.trainers.prepare import load_prepared
 from infra.store import ArtifactRef, ArtifactStore
-from infra.trainers.checkpoint import read_state, rng_state, write_state
+from infra.trainers.checkpoint import checkpoint_key, load_checkpoint, rng_state, save_checkpoint
 from infra.trainers.configs import TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -68,51 +68,9 @@ def _pictures(media: dict[str, np.ndarray]) -> dict[str, Tensor]:
     return {name: torch.from_numpy(np.ascontiguousarray(picture)) for name, picture in media.items()}
 
 
-def free_port() -> int:
-    """A TCP port free on this node now (the OS picks it), for torch.distributed's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def checkpoint_key(run_id: str, checkpoint_dir: str, step: int) -> str:
-    """``<run_id>/<checkpoint_dir>/<step>``: the actor's default dir gives the store's `checkpoint_key`."""
-    return store_keys.validate_key(f"{run_id}/{checkpoint_dir}/{int(step)}")
-
-
-def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
-    """The data-parallel wrapper: DDP, which averages gradients over ranks in backward.
-
-    Not FSDP2 (whose `fully_shard` does run on gloo/CPU): it all-gathers the weights in every forward, and
-    the backward-simulated rollout makes a rank-dependent number of no-grad forwards, which would leave
-    the collectives out of step; sleep and checkpoints would also need DTensor-aware state handling.
-    """
-    ids = [device.index or 0] if device.type == "cuda" else None
-    # No buffer sync in forward: it would be a collective in every forward (buffers are synced at init).
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
-
-
-def rank_device(role: str, rank: int, promised_gpus: float) -> torch.device:
-    """The rank's device: the GPU Ray gave it (Ray sets CUDA_VISIBLE_DEVICES, so it is cuda:0), or the CPU.
-
-    A rank promised a GPU that sees none fails here, at once, rather than training on the CPU unnoticed.
-    """
-    if promised_gpus <= 0:
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"{role} rank {rank} was given {promised_gpus:g} GPU by Ray but torch sees none (CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, torch {torch.__version__} "
-            f"{'with' if torch.backends.cuda.is_built() else 'without'} CUDA): install a CUDA build of torch on "
-            "every node, or set [cluster] gpus_per_rank = 0 to train on CPUs")
-    return torch.device("cuda", 0)
-
-
-class OnDevice:
-    """A velocity fn whose model lives on ``device``: inputs go there, the velocity comes back.
-
-    The rollout draws its noise on the CPU, so on CUDA the model's inputs must move.
-    """
+class HostCalls:
+    """A velocity fn whose model lives on ``device``, called with host tensors: for the evaluators,
+    whose samplers and statistics are host code. Stages never use it: their tensors live on the device."""
 
     def __init__(self, velocity: VelocityFn, device: torch.device):
         self.velocity, self.device = velocity, device
@@ -140,6 +98,7 @@ class RankWorker:
         self.optimizer_steps = 0
         self._evaluator = None
         self._sleeping, self._teacher_host = HostCopy(), HostCopy()
+        self.sharded = spec.config.train.parallel == "fsdp"
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -165,30 +124,42 @@ class RankWorker:
         # Checkpoint metadata travels between ranks as Python objects: on a CPU group, whatever the backend.
         self._objects = dist.new_group(backend="gloo") if backend == "nccl" else None
         # The family holding its prepared inputs (e.g. the prompt table): every model call goes through it.
-        self.family = family = self.spec.family.bind(load_prepared(self.store, self.spec.prepared))
+        self.family = family = self.spec.family.bind(load_prepared(self.store, self.spec.prepared), self.device)
+        train = self.spec.config.train
         model = own_storage(family.load_model(self.trainer.init).to(self.device))
-        self.state = train_state(parallelize(model, self.device), self.trainer.lr, self.spec.config, family.velocity)
-        self.state.velocity = self._on_device(self.state.velocity)
+        if train.activation_checkpointing:
+            model.enable_gradient_checkpointing()  # diffusers' own: recompute each block's activations in backward
+        self._module = fsdp(model, train.mixed_precision == "bf16") if self.sharded else model
+        # The optimizer is built over the sharded parameters under FSDP; DDP's wrapper comes with `wake`.
+        self.state = train_state(self._module, self.trainer.lr, self.spec.config, family.velocity)
+        self._wrap()
         self.teacher = None
         if self.trainer.teacher is not None:
-            teacher = family.load_model(self.trainer.teacher).to(self.device)
-            if self.spec.config.train.mixed_precision == "bf16":
-                teacher = teacher.bfloat16()  # frozen: no master weights to keep
-            self.teacher = own_storage(teacher).eval().requires_grad_(False)
+            # Frozen, so no master weights to keep: under bf16 it loads (and stays) in bf16.
+            dtype = torch.bfloat16 if train.mixed_precision == "bf16" else None
+            teacher = own_storage(family.load_model(self.trainer.teacher, dtype).to(self.device))
+            self.teacher = teacher.eval().requires_grad_(False)
             self._teacher_host.offload(module_tensors(self.teacher))  # on the device only while scoring
         self.sleep()  # asleep until its first stage: at no time are two groups awake for nothing
         logger.info("ready: %s from %s on %s (%s)", self.trainer.role, self.trainer.init, self.device, backend)
 
-    def _on_device(self, velocity: VelocityFn) -> VelocityFn:
-        """How the rank calls a model: on its device, under bf16 autocast with `[train] mixed_precision`."""
+    def _velocity(self, model: nn.Module) -> VelocityFn:
+        """How the rank calls a model: the family's call, under bf16 autocast with `[train] mixed_precision`."""
+        velocity = self.family.velocity(model)
         if self.spec.config.train.mixed_precision == "bf16":
             velocity = Autocast(velocity, self.device.type)
-        return OnDevice(velocity, self.device)
+        return velocity
+
+    def _wrap(self) -> None:
+        """The trained model as the optimizer steps see it: DDP's wrapper (built anew, see
+        `infra.trainers.parallel`), or the sharded module itself."""
+        self.state.model = self._module if self.sharded else ddp(self._module, self.device)
+        self.state.velocity = self._velocity(self.state.model)
 
     @property
     def module(self) -> nn.Module:
-        """The unwrapped model (a diffusers model)."""
-        return self.state.model.module
+        """The unwrapped model (a diffusers model; its parameters sharded under FSDP)."""
+        return self._module
 
     def plan(self, rollout_id: int) -> RolloutPlan:
         return rollout_plan(self.spec.config, rollout_id, self.spec.sample_shape)
@@ -201,8 +172,8 @@ class RankWorker:
     def rollout(self, run_id: str, rollout_id: int) -> ArtifactRef:
         """This rank's backward-simulated samples -> ``rollout-<n>/rollout/rank-<r>``."""
         self.wake()
-        student = self._on_device(self.family.velocity(self.module))
-        samples = rollout_shard(student, self.spec.conds, self.plan(rollout_id), self.rank)
+        samples = rollout_shard(self._velocity(self.module), self.spec.conds, self.plan(rollout_id), self.rank,
+                                self.device, lockstep=self.sharded)
         return put_record(self.store, run_id, rollout_id, "rollout", self.rank, samples)
 
     def convert(self, run_id: str, rollout_id: int, samples: ArtifactRef) -> ArtifactRef:
@@ -218,9 +189,9 @@ class RankWorker:
         see the loaded records as ``ctx.external_data[<role>]``.
         """
         self.wake()
-        loaded = {role: get_record(self.store, ref) for role, ref in (external_data or {}).items()}
+        loaded = {role: get_record(self.store, ref, self.device) for role, ref in (external_data or {}).items()}
         ctx = self._ctx(rollout_id, loaded)
-        metrics, output = train_steps(self.state, self.hooks, ctx, get_record(self.store, pairs),
+        metrics, output = train_steps(self.state, self.hooks, ctx, get_record(self.store, pairs, self.device),
                                       self.trainer.steps_per_rollout)
         self.rollouts_trained += 1
         self.optimizer_steps += len(metrics)
@@ -236,8 +207,8 @@ class RankWorker:
         self.wake()
         self._teacher_host.restore()
         try:
-            teacher = self._on_device(self.family.velocity(self.teacher))
-            scores = score(teacher, get_record(self.store, kept), get_record(self.store, pairs), self._ctx(rollout_id))
+            scores = score(self._velocity(self.teacher), get_record(self.store, kept, self.device),
+                           get_record(self.store, pairs, self.device), self._ctx(rollout_id))
         finally:
             self._teacher_host.offload(module_tensors(self.teacher))  # offloaded after scoring (architecture §1.4)
         return put_record(self.store, run_id, rollout_id, "score", self.rank, scores)
@@ -265,6 +236,7 @@ class RankWorker:
         if self._sleeping.parked:
             return {"offloaded_bytes": 0}
         self.state.optimizer.zero_grad(set_to_none=True)  # the next step recomputes them: nothing to keep
+        self.state.model = self.state.velocity = None  # DDP's wrapper goes, and its gradient buckets with it
         moved = self._sleeping.offload(module_tensors(self.module) + optimizer_tensors(self.state.optimizer))
         return {"offloaded_bytes": moved}
 
@@ -272,10 +244,20 @@ class RankWorker:
         """Bring back what `sleep` moved, bit for bit; a no-op when awake. Every stage wakes on use."""
         if self._sleeping.parked:
             self._sleeping.restore()
+            self._wrap()
 
     def device_memory(self) -> int:
         """Bytes the rank's tensors occupy on its accelerator now (0 on CPU)."""
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def peak_device_memory(self, reset: bool = False) -> int:
+        """The most bytes the rank's tensors occupied on its accelerator since the last reset (0 on CPU)."""
+        if self.device.type != "cuda":
+            return 0
+        peak = torch.cuda.max_memory_allocated(self.device)
+        if reset:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
 
     # -- checkpoints and inspection ------------------------------------------------------------
 
@@ -288,25 +270,21 @@ class RankWorker:
         with self._in_use():
             rng_states: list[Any] = [None] * self.world_size
             dist.all_gather_object(rng_states, rng_state(), group=self._objects)
-            ref = None
-            if self.rank == 0:
-                info = {"role": self.trainer.role, "step": step, "world_size": self.world_size,
-                        "rollouts_trained": self.rollouts_trained, "optimizer_steps": self.optimizer_steps,
-                        "linked": {role: r.to_dict() for role, r in (linked or {}).items()}}
-                with tempfile.TemporaryDirectory() as tmp:
-                    write_state(Path(tmp), self.module, self.state.optimizer, self.state.scheduler, rng_states, info)
-                    ref = self.store.put_dir(checkpoint_key(run_id, self.trainer.checkpoint_dir, step), tmp)
+            info = {"role": self.trainer.role, "step": step, "world_size": self.world_size,
+                    "parallel": self.spec.config.train.parallel,
+                    "rollouts_trained": self.rollouts_trained, "optimizer_steps": self.optimizer_steps,
+                    "linked": {role: r.to_dict() for role, r in (linked or {}).items()}}
+            key = checkpoint_key(run_id, self.trainer.checkpoint_dir, step)
+            ref = save_checkpoint(self.store, key, self.module, self.state.optimizer, self.state.scheduler,
+                                  rng_states, info, self._objects)
             return self._from_rank0(ref)
 
     def load(self, checkpoint: ArtifactRef) -> dict[str, ArtifactRef]:
-        """Load a checkpoint of this role in place (every rank); returns its linked checkpoints' refs."""
+        """Load a checkpoint of this role in place (every rank, at any world size and either layout);
+        returns its linked checkpoints' refs."""
         with self._in_use():
-            with tempfile.TemporaryDirectory() as tmp:
-                folder = self.store.get_dir(checkpoint, Path(tmp) / "checkpoint")
-                info = read_state(folder, self.module, self.state.optimizer, self.state.scheduler, self.rank)
-            if info["role"] != self.trainer.role:
-                raise ValueError(f"{checkpoint.uri} is a {info['role']!r} checkpoint; load it into the "
-                                 f"{info['role']} group, not the {self.trainer.role} group")
+            info = load_checkpoint(self.store, checkpoint, self.trainer.role, self.module, self.state.optimizer,
+                                   self.state.scheduler, self.rank)
             if info["world_size"] != self.world_size:
                 logger.warning("checkpoint from world size %d loaded at %d: RNG states of new ranks are fresh",
                                info["world_size"], self.world_size)
@@ -317,16 +295,16 @@ class RankWorker:
 
     def evaluate(self, run_id: str, step: int, with_baselines: bool = False) -> EvalResult:
         """The family's evaluation of the current student; media go to ``<run_id>/eval/<step>/media``."""
-        with self._in_use():
+        with self._in_use(), self._unsharded() as student:
             result = None
             if self.rank == 0:
                 evaluator = self._get_evaluator()
-                self.module.eval()  # sampled as users sample it
+                student.eval()  # sampled as users sample it
                 try:
-                    evaluation = evaluator.evaluate(self._on_device(self.family.velocity(self.module)))
+                    evaluation = evaluator.evaluate(HostCalls(self._velocity(student), self.device))
                     baselines = evaluator.baselines() if with_baselines else None
                 finally:
-                    self.module.train()
+                    student.train()
                 media = _pictures(evaluation.media)
                 media_ref = self.store.put_tensors(f"{run_id}/eval/{step}/media.safetensors", media) if media else None
                 result = EvalResult(evaluation.scores, media_ref, baselines)
@@ -348,35 +326,49 @@ class RankWorker:
 
     def export(self, run_id: str, step: int, card: dict[str, Any]) -> ArtifactRef:
         """The family's export of the student (e.g. a diffusers directory) -> ``<run_id>/student/<step>``."""
-        with self._in_use():
+        with self._in_use(), self._unsharded() as student:
             ref = None
             if self.rank == 0:
                 with tempfile.TemporaryDirectory() as tmp:
                     out = Path(tmp) / "student"
-                    self.family.export(self.module, self.spec.config, out, card)
+                    self.family.export(student, self.spec.config, out, card)
                     ref = self.store.put_dir(f"{run_id}/student/{step}", out)
             return self._from_rank0(ref)
 
     def export_weights(self, key: str) -> ArtifactRef:
         """Rank 0 stores the model's state dict at ``key`` (safetensors); every rank returns the ref."""
         with self._in_use():
+            state = full_state_dict(self.module)  # every rank takes part; rank 0 gets the tensors
             ref = None
             if self.rank == 0:
-                state = {k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()}
-                ref = self.store.put_tensors(key, state)
+                ref = self.store.put_tensors(key, {k: v.detach().cpu().contiguous() for k, v in state.items()})
             return self._from_rank0(ref)
 
+    @contextmanager
+    def _unsharded(self):
+        """Rank 0's whole student (None on other ranks): the module itself under DDP; under FSDP a copy
+        gathered from every rank's shards (a collective: every rank enters)."""
+        if not self.sharded:
+            yield self.module if self.rank == 0 else None
+            return
+        state = full_state_dict(self.module)
+        yield unsharded_copy(self.module, state).to(self.device) if self.rank == 0 else None
+
     def state_digest(self) -> str:
-        """sha256 of this rank's weights and optimizer state (bitwise comparisons in tests and checks)."""
+        """sha256 of the group's whole weights and optimizer state, keyed by parameter name, the same
+        under DDP and FSDP at any world size (bitwise comparisons in tests and checks). Collective."""
         with self._in_use():
+            options = StateDictOptions(full_state_dict=True)
+            tensors = dict(get_model_state_dict(self.module, options=options))
+            if self.state.optimizer.state:  # asked of an optimizer without state, torch would make some (a step)
+                optimizer_state = get_optimizer_state_dict(self.module, self.state.optimizer, options=options)
+                for name, values in optimizer_state["state"].items():
+                    tensors.update({f"optimizer.{name}.{key}": value for key, value in values.items()})
             digest = hashlib.sha256()
-            optimizer = self.state.optimizer
-            # Canonical order: parameters as the optimizer lists them, each one's state by name.
-            states = [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]]
-            optimizer_state = [state[name] for state in states for name in sorted(state)]
-            for tensor in [*self.module.state_dict().values(), *optimizer_state]:
+            for name in sorted(tensors):
                 # A copy: exporting a tensor to numpy pins its storage's size for good, and sleep resizes it.
-                digest.update(tensor.detach().cpu().clone().reshape(-1).view(torch.uint8).numpy().tobytes())
+                tensor = tensors[name].detach().cpu().clone().reshape(-1)
+                digest.update(name.encode() + tensor.view(torch.uint8).numpy().tobytes())
             return digest.hexdigest()
 
     def _from_rank0(self, value: Any) -> Any:

@@ -83,3 +83,17 @@ def test_converter_fields():
 def test_converter_rejects_a_full_trajectory():
     with pytest.raises(ValueError, match="full 4-step trajectory.*backward simulation"):
         samples_to_train_pairs(_samples([0, 4, 1]), num_steps=4)
+
+
+def test_lockstep_makes_one_call_per_grid_step_and_changes_no_sample():
+    """A sharded student needs the same number of calls on every rank, whatever its stop indices."""
+    num_steps, stop = 4, torch.tensor([0, 1, 0])  # nothing runs past step 1
+    noise, renoise = torch.randn(3, 1, 2, 2), torch.randn(num_steps - 1, 3, 1, 2, 2)
+    cond = {"id": torch.arange(3)}
+    free, locked = CountingModel(), CountingModel()
+    expected = backward_simulate(free, noise, student_sigmas(num_steps), stop, cond, renoise)
+    got = backward_simulate(locked, noise, student_sigmas(num_steps), stop, cond, renoise, lockstep=True)
+    assert len(free.seen) == 2 and len(locked.seen) == num_steps
+    assert locked.seen[2:] == [[0], [0]]  # the idle steps run one row, whose result is dropped
+    for one, two in zip(expected, got):
+        assert torch.equal(one, two)

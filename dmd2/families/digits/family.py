@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from dmd2.conditioning import ClassLabels
@@ -85,9 +86,9 @@ class DigitsFamily(ModelFamily):
     def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
         return RunSpec(config, self, IMAGE_SHAPE, ClassLabels(NUM_CLASSES, NULL_CLASS), str(cache_dir))
 
-    def load_model(self, path: str) -> nn.Module:
+    def load_model(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:
         try:
-            return load_pretrained(path)
+            return load_pretrained(path, dtype)
         except (OSError, ValueError) as exc:
             raise FileNotFoundError(f"cannot load a diffusers model from {path!r} ({exc}); [model] teacher / "
                                     "student / critic_load must name a save_pretrained directory") from exc

@@ -61,8 +61,10 @@ class PromptTable:
     def cond(self, prompt_index: Tensor) -> Cond:
         """The transformer's conditioning of prompts [B] (int64 in [0, P), or NEGATIVE for the negative prompt)."""
         index = prompt_index.to(self.prompt_embeds.device, torch.long)
-        bad = (index < NEGATIVE) | (index >= len(self))
-        if bad.any():
+        # Checked on the host only: on a GPU the check would synchronize every model call (indices are made,
+        # and so checked, on the host; one out of range on a device still fails in the lookup).
+        bad = (index < NEGATIVE) | (index >= len(self)) if index.device.type == "cpu" else None
+        if bad is not None and bad.any():
             raise IndexError(f"prompt index {index[bad][0].item()} is outside the table of {len(self)} prompts "
                              f"(valid: 0..{len(self) - 1}, or {NEGATIVE} for the negative prompt)")
         negative = (index == NEGATIVE)

@@ -131,12 +131,12 @@ class SD3Family(ModelFamily):
         prompts = read_prompts(config.data.prompts) + self.eval_prompts(config)
         return {"prompts": encode_prompt_table(pipeline, prompts, config.data.negative_prompt)}
 
-    def bind(self, prepared: dict[str, dict[str, Tensor]]) -> "SD3Family":
-        return dataclasses.replace(self, table=PromptTable.from_tensors(prepared["prompts"]))
+    def bind(self, prepared: dict[str, dict[str, Tensor]], device: torch.device | str = "cpu") -> "SD3Family":
+        return dataclasses.replace(self, table=PromptTable.from_tensors(prepared["prompts"]).to(device))
 
-    def load_model(self, path: str) -> nn.Module:
+    def load_model(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:
         if is_sd3_pipeline(path):
-            return load_transformer(path)
+            return load_transformer(path, dtype or torch.float32)
         raise FileNotFoundError(f"{path!r} is not a StableDiffusion3Pipeline directory (no model_index.json naming "
                                 "StableDiffusion3Pipeline)")
 

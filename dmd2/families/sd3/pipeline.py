@@ -135,15 +135,12 @@ def latent_shape(path: str | Path, resolution: int) -> tuple[int, int, int]:
 
 
 def load_transformer(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The pipeline's `SD3Transformer2DModel` (the MMDiT: teacher, student and critic all start from it).
+    """The pipeline's `SD3Transformer2DModel` (the MMDiT: teacher, student and critic all start from it), in `dtype`.
 
-    Weights load eagerly: the lazy path (`low_cpu_mem_usage`) needs accelerate, which nothing else here does.
+    Built on the meta device, each weight goes from the safetensors straight into a tensor of `dtype`
+    (`low_cpu_mem_usage`, as `dmd2.model.load_pretrained`): no full fp32 copy on the host to cast afterwards.
     """
     from diffusers import SD3Transformer2DModel  # slow to import; only model loading needs it
 
-    model = SD3Transformer2DModel.from_pretrained(str(path), subfolder="transformer", dtype=dtype,
-                                                  low_cpu_mem_usage=False)
-    # diffusers 0.42's eager path assigns the file's tensors when the first state-dict entry (the float32
-    # position-embedding buffer) matches the file's dtype, so the dtype asked for is lost: cast here
-    # (only when needed: diffusers warns on every dtype cast).
-    return model if model.dtype == dtype else model.to(dtype)
+    return SD3Transformer2DModel.from_pretrained(str(path), subfolder="transformer", dtype=dtype,
+                                                 low_cpu_mem_usage=True)

@@ -232,3 +232,59 @@ def test_a_bf16_run_completes_on_cpu_and_computes_in_bf16(world1, tiny_teacher, 
     assert metrics["loss"] != fp32["loss"]  # bf16 rounding shows: the compute did run in bf16
     assert abs(metrics["critic-loss"] - fp32["critic-loss"]) < 0.05 * abs(fp32["critic-loss"])
     assert all(t.dtype == torch.float32 for t in student.values())  # the master weights stay fp32
+
+
+@pytest.fixture(scope="module")
+def fsdp_world2(local_ray, tiny_teacher, tmp_path_factory):
+    """Two rollouts at world size 2 with FSDP2 shards (gloo), every group asleep between stages."""
+    task = run_spec(tiny_config(tiny_teacher, 2, parallel="fsdp"))
+    store = new_store(tmp_path_factory.mktemp("fsdp"))
+    groups = build_groups(task, store, RankResources(num_cpus=1))
+    try:
+        metrics = [run_rollout_on_groups(groups, RUN, 0)]
+        checkpoint = save_groups(groups, RUN, step=1)
+        metrics.append(run_rollout_on_groups(groups, RUN, 1))
+        ledger = groups.awake_roles()
+        final = digests(groups)
+        offloaded = {group.role: [r["offloaded_bytes"] for r in (group.wake(), group.sleep())[1]]
+                     for group in groups.in_order()}
+        return {"metrics": metrics, "final": final, "weights": weights(groups, store, "final"),
+                "ledger": ledger, "offloaded": offloaded, "after_sleeping": digests(groups), "store": store,
+                "checkpoint": checkpoint}
+    finally:
+        groups.shutdown()
+
+
+def test_fsdp_at_world_size_2_trains_the_same_models_as_world_size_1(world1, fsdp_world2):
+    for role in ("actor", "critic"):
+        assert max_abs_diff(world1["weights"][role], fsdp_world2["weights"][role]) <= 1e-5, role
+    for one, two in zip(world1["metrics"], fsdp_world2["metrics"]):
+        for key in ("loss", "critic-loss", "grad_norm", "critic-grad_norm"):
+            assert two[key] == pytest.approx(one[key], rel=1e-4), key
+    # Every rank sees the same whole model (its digest is of the gathered state), and all sleep.
+    assert all(len(set(ranks)) == 1 for ranks in fsdp_world2["final"].values())
+    assert fsdp_world2["ledger"] == []
+
+
+def test_fsdp_shards_sleep_shard_wise_and_wake_bitwise(tiny_teacher, fsdp_world2):
+    parameters = sum(p.numel() for p in AutoModel.from_pretrained(tiny_teacher).parameters())
+    for role, per_rank in fsdp_world2["offloaded"].items():
+        # Each rank parks its shard: about half the fp32 weights plus AdamW's two moments (3 x 4 bytes / 2).
+        assert all(0.4 * 12 * parameters / 2 < moved < 0.6 * 12 * parameters + 4096 for moved in per_rank), role
+    assert fsdp_world2["after_sleeping"] == fsdp_world2["final"]
+
+
+def test_a_sharded_checkpoint_of_world_size_2_continues_at_world_size_1_to_the_same_models(world1, fsdp_world2):
+    """FSDP2 shards written by two ranks, loaded into one DDP rank: rollout 1 then lands where the
+    uninterrupted world-size-1 run did."""
+    store = fsdp_world2["store"]
+    task = run_spec(tiny_config(world1["task"].config.model.teacher, 1))
+    groups = build_groups(task, store)
+    try:
+        load_groups(groups, fsdp_world2["checkpoint"])
+        run_rollout_on_groups(groups, "continued", 1)
+        continued = weights(groups, store, "continued")
+    finally:
+        groups.shutdown()
+    for role in ("actor", "critic"):
+        assert max_abs_diff(world1["weights"][role], continued[role]) <= 1e-5, role

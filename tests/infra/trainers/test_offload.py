@@ -1,7 +1,9 @@
 """Sleep/wake storage parking (infra/trainers/offload.py), on CPU without Ray."""
 
+import pytest
 import torch
 
+from dmd2.model import load_pretrained
 from dmd2.optim import make_optimizer
 from infra.trainers.offload import HostCopy, module_tensors, optimizer_tensors, own_storage
 
@@ -32,3 +34,32 @@ def test_shared_storage_is_parked_once():
     assert parked.offload([weight, view]) == 5 * 4
     parked.restore()
     assert torch.equal(view, weight.detach()[1:3])
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bytes (torch.equal alone takes 0.0 and -0.0 for equal)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_model_loaded_in_its_dtype_sleeps_and_wakes_bit_exactly(tmp_path, dtype):
+    from diffusers import UNet2DModel
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    UNet2DModel(sample_size=8, in_channels=1, out_channels=1, block_out_channels=(16, 32), layers_per_block=1,
+                down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+                norm_num_groups=8, num_class_embeds=11).save_pretrained(tmp_path, safe_serialization=True)
+    saved = load_file(tmp_path / "diffusion_pytorch_model.safetensors")
+    loaded = load_pretrained(str(tmp_path), dtype)
+    if dtype is None:  # weights that need no cast stay in the file mapping: the storages own_storage replaces
+        assert not all(tensor.untyped_storage().resizable() for tensor in module_tensors(loaded))
+    model = own_storage(loaded)
+    parked = HostCopy()
+    parked.offload(module_tensors(model))
+    assert all(tensor.untyped_storage().nbytes() == 0 for tensor in module_tensors(model))
+    parked.restore()
+    state = model.state_dict()
+    assert state.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(bits(state[name]), bits(tensor.to(dtype or torch.float32))), name

@@ -1,0 +1,95 @@
+"""A rank's place in its group: its device, the rendezvous port, and how its model spreads over the
+group, DDP (a full replica per rank) or FSDP2 (sharded per block).
+
+`[train] parallel = "ddp"`: each rank holds the whole model; `ddp` wraps it so backward averages the
+gradients. The wrapper owns DDP's gradient buckets (a model's worth of memory on the accelerator), so
+a sleeping rank drops it and a waking one builds a new one (`init_sync=False`: the replicas are
+already equal, nothing is broadcast).
+
+`[train] parallel = "fsdp"`: `torch.distributed.fsdp.fully_shard` on every block (`shard_units`) and on
+the root, so each rank holds 1/W of the parameters, gradients and AdamW state and all-gathers one
+block at a time. Every forward of a sharded model is a collective: ranks must make the same number
+(the rollout runs in lockstep, `dmd2.rollout.backward_simulate`), and evaluation and export work on
+one gathered copy (`full_state_dict`, `unsharded_copy`).
+"""
+
+import os
+import socket
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def free_port() -> int:
+    """A TCP port free on this node now (the OS picks it), for torch.distributed's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def rank_device(role: str, rank: int, promised_gpus: float) -> torch.device:
+    """The rank's device: the GPU Ray gave it (Ray sets CUDA_VISIBLE_DEVICES, so it is cuda:0), or the CPU.
+
+    A rank promised a GPU that sees none fails here, at once, rather than training on the CPU unnoticed.
+    """
+    if promised_gpus <= 0:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{role} rank {rank} was given {promised_gpus:g} GPU by Ray but torch sees none (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, torch {torch.__version__} "
+            f"{'with' if torch.backends.cuda.is_built() else 'without'} CUDA): install a CUDA build of torch on "
+            "every node, or set [cluster] gpus_per_rank = 0 to train on CPUs")
+    return torch.device("cuda", 0)
+
+
+def ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """The DDP wrapper of ``model``: gradients averaged over ranks in backward.
+
+    Forwards without grad (rollout, scoring) run on the unwrapped module, so ranks may make different
+    numbers of them without a collective falling out of step.
+    """
+    ids = [device.index or 0] if device.type == "cuda" else None
+    # No buffer sync in forward: it would be a collective in every forward (buffers are equal from the start).
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids, init_sync=False, forward_sync_buffers=False)
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one: those of the classes the model lists in `_no_split_modules`
+    (diffusers names its transformer blocks there: SD3's `JointTransformerBlock`), else the entries of
+    its top-level ModuleLists (a UNet's down and up blocks)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        return [module for module in model.modules() if type(module).__name__ in names]
+    return [unit for child in model.children() if isinstance(child, nn.ModuleList) for unit in child]
+
+
+def fsdp(model: nn.Module, bf16: bool) -> nn.Module:
+    """``model`` sharded in place per `shard_units` and at the root; its parameters become DTensors.
+
+    Under bf16 the gathered weights are bf16 and gradients are reduced in fp32 onto fp32 shards (the
+    master weights). Inputs are not cast (`cast_forward_inputs=False`): the timestep must reach the
+    model in fp32 (`dmd2.precision`), and autocast casts what the matmuls see.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32,
+                                  cast_forward_inputs=False)
+    for unit in shard_units(model):
+        fully_shard(unit, mp_policy=policy)
+    # The root reshards after forward too: a sleeping rank must hold no gathered weights.
+    fully_shard(model, mp_policy=policy, reshard_after_forward=True)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on rank 0's host (empty on other ranks). Collective under FSDP."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def unsharded_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A plain (unsharded) model of ``model``'s diffusers class and config holding ``state``."""
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # fully_shard subclassed it
+    copy = cls.from_config(model.config)
+    copy.load_state_dict(state, strict=True)
+    return copy
