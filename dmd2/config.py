@@ -155,6 +155,14 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class RegistryConfig:
+    """The MLflow model registry: each run's student as a version, the best one under the alias `champion`."""
+
+    register: bool = option(True, "Log the exported student as an MLflow model and register it as a version.")
+    model_name: str = option("", "The registered model's name; default: the run id.")
+
+
+@dataclass(frozen=True)
 class DistillConfig:
     """A whole recipe."""
 
@@ -166,6 +174,7 @@ class DistillConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
 
     def __post_init__(self):
         _validate(self)
@@ -193,7 +202,7 @@ class DistillConfig:
 
 SECTION_TYPES = {"model": ModelConfig, "student": StudentConfig, "optim": OptimConfig,
                  "dmd2": DMD2Config, "train": TrainConfig, "cluster": ClusterConfig, "data": DataConfig,
-                 "eval": EvalConfig}
+                 "eval": EvalConfig, "registry": RegistryConfig}
 
 
 def _type_error(annotation: Any, value: Any) -> str | None:

@@ -14,6 +14,8 @@ Where each part runs:
                                 `prepared_key` and reused by later runs with the same inputs
     a rank of a trainer group   `bind` (the prepared inputs), `load_model`, `velocity`,
                                 `evaluator` (rank 0), `export` (rank 0)
+    where an export is served   `student_generator`, `generate` (its pictures: what the student's MLflow
+                                model, infra/tracking/student_model.py, calls)
 """
 
 import argparse
@@ -95,9 +97,14 @@ class ModelFamily:
     to Ray ranks). Methods with a body here are defaults that suit a plain diffusers model."""
 
     name: ClassVar[str]
-    # The score that decides whether one student beats another, and its direction.
-    gate_metric: ClassVar[str]
+    # The score that decides whether one student beats another, and its direction (None: no score does,
+    # so no student of the family is promoted in the model registry).
+    gate_metric: ClassVar[str | None] = None
     gate_lower_is_better: ClassVar[bool] = True
+    # `generate`'s inputs for an example (class labels, prompts) and the shape of one picture it makes
+    # (-1: set by the settings): the logged student model's input example and signature.
+    generate_example: ClassVar[tuple[Any, ...]] = ()
+    generated_shape: ClassVar[tuple[int, ...]] = ()
     # Score keys -> column headings of the eval table the CLI prints.
     report_columns: ClassVar[dict[str, str]] = {}
 
@@ -153,6 +160,24 @@ class ModelFamily:
 
         `card`: teacher, recipe, run_id, rollouts, scores (the last evaluation's)."""
         raise NotImplementedError
+
+    def generation_settings(self, config: DistillConfig) -> dict[str, Any]:
+        """How `generate` samples this run's export (JSON values; kept with the logged student model)."""
+        return {"num_steps": config.student.num_steps, "shift": config.student.grid_shift}
+
+    def student_generator(self, student_dir: Path, settings: dict[str, Any]) -> "StudentGenerator":
+        """The export in `student_dir`, loaded once, as a call from inputs to pictures (a served model's)."""
+        raise NotImplementedError
+
+    def generate(self, student_dir: Path, inputs: list[Any], settings: dict[str, Any],
+                 seed: int = 0) -> list[np.ndarray]:
+        """uint8 pictures (H x W or H x W x C) of the exported student, one per input (a class label, a prompt)."""
+        return self.student_generator(student_dir, settings)(inputs, seed)
+
+
+class StudentGenerator(Protocol):
+    def __call__(self, inputs: list[Any], seed: int = 0) -> list[np.ndarray]:
+        """One uint8 picture per input; the same inputs and seed give the same pixels."""
 
 
 def family_class(name: str) -> type[ModelFamily]:

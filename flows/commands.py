@@ -46,15 +46,17 @@ def add_distill_args(parser: argparse.ArgumentParser) -> None:
 
 def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
     """Check everything cheap, then run the distill flow; returns (its result, the family's columns)."""
-    from infra.store import ArtifactStore
+    from infra.store import ArtifactStore, LeaseHeldError, RunLease
 
     config, family = run_config(args.recipe, args.overrides, args.rollouts)
     run_id = check_run_id(args.run_id or args.recipe.stem)
-    try:  # before Prefect and Ray start: a bad store should cost nothing
+    try:  # before Prefect and Ray start: a bad store, or a run id in use, should cost nothing
         from flows.distill import check_separate, default_store_uri, distill
 
-        check_separate(ArtifactStore(args.store or default_store_uri()), args.output_dir)
-    except ValueError as error:
+        store = ArtifactStore(args.store or default_store_uri())
+        check_separate(store, args.output_dir)
+        RunLease.check_free(store, run_id)
+    except (ValueError, LeaseHeldError) as error:
         raise SystemExit(f"error: {error}") from None
     result = distill(recipe=str(args.recipe), run_id=run_id, rollouts=args.rollouts, overrides=args.overrides,
                      store_uri=args.store, ray_address=args.ray_address, tracking_uri=args.tracking_uri,
@@ -76,6 +78,8 @@ def _report(result: dict, columns: dict[str, str], tracking_uri: str | None) -> 
     print(f"student (diffusers save_pretrained): {result['student_dir']}")
     for name, path in result["pictures"].items():
         print(f"{name}: {path}")
+    if result.get("model_version"):
+        print(f"registered model version {result['model_version']} ({result['promotion']})")
     print(f"MLflow run {result['mlflow_run_id']}: {MLFLOW_HINT.format(uri=resolve_tracking_uri(tracking_uri))}")
 
 
@@ -113,7 +117,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def build_deployment(name: str, recipe: Path, run_id: str | None, cron: str | None,
                      overrides: list[str] | None = None, rollouts: int | None = None):
-    """The distill flow as deployment `distill/<name>`; every run continues `run_id` (default: the recipe's name)."""
+    """The distill flow as deployment `distill/<name>`; every run continues `run_id` (default: the recipe's name).
+
+    One flow run at a time: a run started while one is running waits for it (ENQUEUE).
+    """
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+
     from flows.distill import distill
 
     parameters = {"recipe": str(recipe.resolve()), "run_id": run_id or recipe.stem}
@@ -121,7 +130,8 @@ def build_deployment(name: str, recipe: Path, run_id: str | None, cron: str | No
         parameters["overrides"] = list(overrides)
     if rollouts is not None:
         parameters["rollouts"] = rollouts
-    return distill.to_deployment(name=name, cron=cron, parameters=parameters,
+    one_at_a_time = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
+    return distill.to_deployment(name=name, cron=cron, parameters=parameters, concurrency_limit=one_at_a_time,
                                  description=f"DMD2 distillation of {recipe.name}; rerunning continues the same run")
 
 

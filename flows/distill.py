@@ -8,20 +8,25 @@ exported student) and the local outputs (a copy of the student, the sample grid)
 
 import dataclasses
 import os
+import re
+import socket
 from datetime import datetime, timezone
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from dmd2.config import ConfigError, DistillConfig, config_to_dict
 from dmd2.family import ModelFamily, default_cache_dir
+from dmd2.report import format_table
 from dmd2.progress import progress_bar
 from flows.outputs import RunResult, find_result, save_result, write_outputs
 from flows.recipe import DEFAULT_RECIPE, check_run_id, run_config
 from flows.rollout import rollout_flow
-from infra.store import ArtifactStore
-from infra.tracking import RunTracker
+from flows.series import series_run_id
+from infra.store import ArtifactStore, RunLease
+from infra.tracking import RunTracker, SystemMetrics, redacted, register_student
 from infra.trainers import Groups, build_groups, ensure_ray, load_groups
 from tasks import runtime
 from tasks.distill import checkpoint, evaluate, export, prepare, reference_media
@@ -63,21 +68,45 @@ def distill(
     tracking_uri: str | None = None,
     cache_dir: str | None = None,
     output_dir: str = DEFAULT_OUTPUT_DIR,
+    more_rollouts: int | None = None,
+    run_id_template: str | None = None,
 ) -> dict:
     """Distill the recipe's teacher into its student over `rollouts` rollout flows (default: the recipe's).
 
-    `overrides` are `SECTION.KEY=VALUE` strings, as `--set` takes them.
+    `overrides` are `SECTION.KEY=VALUE` strings, as `--set` takes them. `more_rollouts` continues the run
+    by that many rollouts past its last checkpoint instead. `run_id_template` (e.g. "nightly-{date}", for
+    scheduled retraining) picks the run id: the series' run with this teacher and these training options,
+    or a new one (`flows.series`).
     """
+    if more_rollouts is not None and (rollouts is not None or more_rollouts < 1):
+        raise ConfigError(f"more_rollouts = {more_rollouts}: give a number >= 1, and not together with rollouts")
     config, family = run_config(recipe, overrides, rollouts)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     store, outputs = ArtifactStore(store_uri or default_store_uri()), Path(output_dir)
-    check_run_id(run_id)
     check_separate(store, outputs)
-    latest = store.latest_checkpoint(run_id)
-    if latest is not None and latest.step > config.train.rollouts:  # before MLflow: a refusal changes nothing
-        raise ConfigError(f"run {run_id} already has {latest.step} rollouts; pass rollouts >= {latest.step} to "
-                          "continue it, or use a new run id")
-    config = family.resolve(config, cache)
+    if run_id_template:  # the series' fingerprint needs the teacher itself
+        config = family.resolve(config, cache)
+        run_id = series_run_id(store, run_id_template, config)
+    check_run_id(run_id)
+    # One run per run id: a second run of a held id stops here, in seconds, having changed nothing.
+    holder = f"{socket.gethostname()} pid {os.getpid()}, Prefect flow run {flow_run.id}"
+    with RunLease.acquire(store, run_id, holder) as lease:
+        latest = store.latest_checkpoint(run_id)
+        if more_rollouts is not None:
+            config = config.replace("train", rollouts=(latest.step if latest else 0) + more_rollouts)
+        if latest is not None and latest.step > config.train.rollouts:  # before MLflow: a refusal changes nothing
+            raise ConfigError(f"run {run_id} already has {latest.step} rollouts; pass rollouts >= {latest.step} "
+                              "to continue it, or use a new run id")
+        if not run_id_template:
+            config = family.resolve(config, cache)
+        if ray_address:
+            os.environ["RAY_ADDRESS"] = ray_address
+        return _tracked(config, family, run_id, store, outputs, cache, str(recipe), tracking_uri, lease)
+
+
+def _tracked(config: DistillConfig, family: ModelFamily, run_id: str, store: ArtifactStore, outputs: Path,
+             cache: Path, recipe: str, tracking_uri: str | None, lease: RunLease) -> dict:
+    """The run in its MLflow run: trained to its rollouts, or its stored result reported if it has them."""
     tracker = RunTracker.start_or_resume(run_id, uri=tracking_uri)
     status = "FAILED"
     try:
@@ -86,24 +115,53 @@ def distill(
         tracker.log_params(params)
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         tracker.record_flow_run(str(flow_run.id), f"started {started}, to {target} rollouts")
-        tracker.set_tags({"dmd2.store": store.root_uri, "dmd2.recipe": str(recipe), "dmd2.rollouts": str(target)})
+        tracker.set_tags({"dmd2.store": store.root_uri, "dmd2.recipe": recipe, "dmd2.rollouts": str(target)})
         result, trained, prepared_now = find_result(store, run_id, target), 0, False
         reported = result is not None
         if reported:
             get_run_logger().info("run %s already has its %d rollouts: reporting its result", run_id, target)
         else:
-            if ray_address:
-                os.environ["RAY_ADDRESS"] = ray_address
-            result, trained, prepared_now = _run(config, family, run_id, store, tracker, cache, str(recipe))
+            result, trained, prepared_now = _run(config, family, run_id, store, tracker, cache, recipe, lease)
         result = write_outputs(store, result, outputs, tracker, new=not reported)
+        registered, promotion = _register(config, family, run_id, result, tracker)
+        _lineage_artifact(family, run_id, result, tracker, registered, store.uri(run_id))
         status = "FINISHED"
-        return result.to_dict() | {"trained": trained, "reported": reported, "prepared_now": prepared_now}
+        return result.to_dict() | {"trained": trained, "reported": reported, "prepared_now": prepared_now,
+                                   "model_version": registered, "promotion": promotion}
     finally:
         tracker.finish(status)
 
 
+def _lineage_artifact(family: ModelFamily, run_id: str, result: RunResult, tracker: RunTracker,
+                      registered: str | None, store_prefix: str) -> None:
+    """This flow run's Prefect artifact: the eval table and where everything it made lives."""
+    rows = [*(result.baselines or []), (f"DMD2 student ({result.rollouts} rollouts)", result.eval)]
+    markdown = "\n".join([
+        f"# Distill run `{run_id}`", "", format_table(rows, family.report_columns), "",
+        f"- MLflow run: `{result.mlflow_run_id}` at `{redacted(tracker.client.tracking_uri)}`",
+        f"- registered model version: `{registered or 'not registered ([registry] register = false)'}`",
+        f"- store prefix: `{store_prefix}`; exported student: `{result.student.uri}`"])
+    key = re.sub(r"[^a-z0-9-]+", "-", f"distill-{run_id}".lower()).strip("-")
+    create_markdown_artifact(markdown, key=key, description=f"eval table and lineage of distill run {run_id}")
+
+
+def _register(config: DistillConfig, family: ModelFamily, run_id: str, result: RunResult,
+              tracker: RunTracker) -> tuple[str | None, str | None]:
+    """The student as a version of the registered model (`champion` moves only if it beats the champion
+    on the family's gate metric); returns ("<name>/<version>", why it was or was not promoted), or
+    (None, None) with `[registry] register = false`."""
+    if not config.registry.register:
+        return None, None
+    registered = register_student(
+        tracker.client, config.registry.model_name or run_id, tracker.mlflow_run_id, Path(result.student_dir),
+        family, family.generation_settings(config), result.eval, student_uri=result.student.uri,
+        flow_run_id=str(flow_run.id), step=result.rollouts - 1, tags={"dmd2.run_id": run_id})
+    get_run_logger().info("registered %s version %s: %s", registered.name, registered.version, registered.reason)
+    return f"{registered.name}/{registered.version}", registered.reason
+
+
 def _run(config: DistillConfig, family: ModelFamily, run_id: str, store: ArtifactStore, tracker: RunTracker,
-         cache: Path, recipe: str) -> tuple[RunResult, int, bool]:
+         cache: Path, recipe: str, lease: RunLease) -> tuple[RunResult, int, bool]:
     """Build the groups, train to the recipe's rollouts, evaluate and export; the groups end with it.
 
     Returns the result, how many rollouts this flow run trained, and whether it made the prepared inputs."""
@@ -112,10 +170,12 @@ def _run(config: DistillConfig, family: ModelFamily, run_id: str, store: Artifac
     tracker.set_tags({"dmd2.prepared": prepared.uri if prepared else "none"})
     spec = dataclasses.replace(family.run_spec(config, cache), prepared=prepared)
     threads = max(1, (os.cpu_count() or 1) // config.train.world_size)
-    groups = build_groups(spec, store, num_threads=threads)
+    groups = build_groups(spec, store, num_threads=threads,
+                          system_metrics=SystemMetrics.of(tracker.client.tracking_uri, tracker.mlflow_run_id))
     runtime.register(run_id, groups)
     try:
-        trained, (scores, media, baselines) = _train(config, run_id, store, groups, tracker)
+        trained, (scores, media, baselines) = _train(config, run_id, store, groups, tracker, lease)
+        lease.check()  # a run that lost its run id exports nothing
         card = {"teacher": config.model.teacher, "recipe": recipe, "run_id": run_id,
                 "rollouts": config.train.rollouts, "scores": scores}
         student = export(run_id, config.train.rollouts, card)
@@ -127,7 +187,8 @@ def _run(config: DistillConfig, family: ModelFamily, run_id: str, store: Artifac
         groups.shutdown()
 
 
-def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Groups, tracker: RunTracker):
+def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Groups, tracker: RunTracker,
+           lease: RunLease):
     """Rollouts from the last checkpoint to the target, with checkpoints and evaluations on their intervals.
 
     Returns the rollouts trained and the last evaluation's (scores, media ref, baselines); the baselines
@@ -142,7 +203,9 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
     evaluation = None
     with progress_bar(total, f"distill {run_id}", initial=start, unit="rollout") as bar:
         for rollout_id in range(start, total):
-            tracker.log_metrics(rollout_id, train_metric_names(rollout_flow(run_id, rollout_id)))
+            metrics = rollout_flow(run_id, rollout_id)
+            lease.check()  # still this run's id (renewed in the background), before it logs or writes more
+            tracker.log_metrics(rollout_id, train_metric_names(metrics))
             store.prune(run_id, keep_last=train.keep_rollouts)  # the next rollout reads none of them
             done = rollout_id + 1
             if _due(done, train.save_interval, total):

@@ -44,6 +44,15 @@ class StageResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def merged_metrics(stages: list[StageResult]) -> dict[str, float]:
+    """The rollout's metrics from its tasks; a key two tasks report (the actor's two sleeps) is their sum."""
+    merged: dict[str, float] = {}
+    for stage in stages:
+        for key, value in stage.metrics.items():
+            merged[key] = merged.get(key, 0.0) + value
+    return merged
+
+
 def _timed(name: str, started: float, metrics: dict[str, float] | None = None) -> dict[str, float]:
     return (metrics or {}) | {f"time/{name}": time.monotonic() - started}
 

@@ -15,6 +15,9 @@ and the digest of the bytes written there (a piece-wise sha256, hashed on every 
 
 Layout: ``<root>/<run_id>/rollout-<n>/<task>/rank-<r>.safetensors`` and
 ``<root>/<run_id>/checkpoints/<step>/`` (``rollout_key``, ``checkpoint_key``).
+
+One run per run id: ``RunLease`` holds a lease on the run id at ``<root>/<run_id>/lease.json``,
+changed only by the store's conditional writes (``infra.store.lease``).
 """
 
 from infra.store.artifacts import ArtifactStore
@@ -28,6 +31,7 @@ from infra.store.faults import (
     StoreUnavailableError,
 )
 from infra.store.keys import validate_key, validate_name
+from infra.store.lease import LeaseHeldError, LeaseLostError, RunLease
 from infra.store.refs import ArtifactRef, Checkpoint
 
 __all__ = [
@@ -36,7 +40,10 @@ __all__ = [
     "ArtifactStore",
     "Checkpoint",
     "IntegrityError",
+    "LeaseHeldError",
+    "LeaseLostError",
     "RetryPolicy",
+    "RunLease",
     "StoreAccessError",
     "StoreError",
     "StoreNotFoundError",

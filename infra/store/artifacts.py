@@ -120,10 +120,43 @@ class ArtifactStore:
         check_sha256(ref.uri, ref.sha256, piecewise_sha256(data))
         return json.loads(data.decode("utf-8"))
 
+    def find_json(self, key: str) -> Any | None:
+        """The JSON value at ``key``, or None when nothing is there (no digest to check it against:
+        for small records whose key is their identity, such as the scheduled series' runs)."""
+        validate_key(key)
+        if not self._backend.exists(key):
+            return None
+        return json.loads(self._backend.read_bytes(key).decode("utf-8"))
+
     def _new_ref(self, key: str, digest: str, nbytes: int, kind: str) -> ArtifactRef:
         ref = ArtifactRef(self._backend.uri_of(key), digest, nbytes, kind)
         logger.debug("stored %s (%d bytes)", ref.uri, ref.nbytes)
         return ref
+
+    # -- small mutable objects: conditional writes ----------------------------------------------
+
+    def create_if_absent(self, key: str, data: bytes) -> str | None:
+        """Store ``data`` at ``key`` only if no object is there, atomically: of many concurrent
+        creators exactly one gets the object's version (an opaque str); the others get None.
+
+        For small control objects that change by compare-and-swap (``infra.store.lease``), not
+        for artifacts: there is no ref, and a version is what ``replace_if`` and ``delete_if``
+        take. ``file://`` needs a working ``flock`` for those two (see ``infra.store.local``).
+        """
+        return self._backend.create_if_absent(validate_key(key), bytes(data))
+
+    def read_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """(bytes, version) of the object at ``key``, read together; None if there is none."""
+        return self._backend.read_versioned(validate_key(key))
+
+    def replace_if(self, key: str, data: bytes, version: str) -> str | None:
+        """Compare-and-swap: replace the object at ``key`` with ``data`` only if it is still at
+        ``version``; the new version, or None if it changed or is gone (nothing written)."""
+        return self._backend.replace_if(validate_key(key), bytes(data), version)
+
+    def delete_if(self, key: str, version: str) -> bool:
+        """Delete the object at ``key`` only if it is still at ``version``; True if deleted."""
+        return self._backend.delete_if(validate_key(key), version)
 
     # -- directories ---------------------------------------------------------------------------
 

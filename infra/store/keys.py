@@ -9,6 +9,7 @@ Layout (docs/architecture.md §6)::
 
     <root>/<run_id>/rollout-<n>/<task>/rank-<r>.safetensors
     <root>/<run_id>/checkpoints/<step>/...            (a directory with MANIFEST.json)
+    <root>/<run_id>/lease.json                        (who runs the run now: ``infra.store.lease``)
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_FORMAT = "dmd2-flows/manifest-v1"
 CHECKPOINTS_DIR = "checkpoints"
+# A file, not a folder: listings of rollouts and checkpoints (and so ``prune``) see only folders.
+LEASE_NAME = "lease.json"
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 _ROLLOUT_DIR_RE = re.compile(r"rollout-(0|[1-9][0-9]*)")
@@ -92,6 +95,11 @@ def checkpoints_prefix(run_id: str) -> str:
 def checkpoint_key(run_id: str, step: int) -> str:
     """Key of the checkpoint directory of ``step``: ``<run_id>/checkpoints/<step>``."""
     return f"{checkpoints_prefix(run_id)}/{_validate_index(step, 'step')}"
+
+
+def lease_key(run_id: str) -> str:
+    """Key of a run's lease: ``<run_id>/lease.json``."""
+    return f"{validate_name(run_id, 'run id')}/{LEASE_NAME}"
 
 
 def parse_rollout_dir(name: str) -> int | None:

@@ -4,21 +4,31 @@ Atomicity comes from rename: a file is written under a hidden temporary name in 
 and moved into place with ``os.replace``; a directory is assembled in a hidden staging folder
 next to its final place (manifest last) and renamed into place in one step. Data and the
 renames are fsynced, so a machine crash cannot leave a visible but torn object behind.
+
+Conditional writes (the run lease, ``infra.store.lease``): create-if-absent hard-links a fully
+written hidden file into place (``link(2)`` refuses an existing name, so one creator wins);
+compare-and-swap and conditional delete hold an exclusive ``flock`` on a hidden lock file next to
+the object around read-compare-replace. That needs a filesystem whose ``flock`` excludes every
+client that can reach the folder: a local disk, or NFSv4 (Linux maps ``flock`` to NFS byte-range
+locks; not with the ``local_lock=flock`` or ``nolock`` mount options, under which each client
+locks only against itself). An object's version is the store's digest of its bytes.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import BinaryIO, TypeVar
 
 from infra.store import tensors as store_tensors
 from infra.store.faults import ArtifactExistsError
-from infra.store.digest import Buffer, PiecewiseSha256
+from infra.store.digest import Buffer, PiecewiseSha256, piecewise_sha256
 from infra.store.io import (
     copy_to_file_hashing,
     hidden_sibling,
@@ -115,6 +125,54 @@ class LocalBackend:
         with open(self.path(key), "rb") as file:
             return file.read()
 
+    # -- conditional writes of small objects ---------------------------------------------------
+
+    def create_if_absent(self, key: str, data: bytes) -> str | None:
+        """Store ``data`` at ``key`` only if nothing is there; its version, or None if something
+        was. Of many concurrent creators exactly one wins, and no reader sees a partial file."""
+        path = self.path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temp = hidden_sibling(path, "tmp")
+        try:
+            _write_durably(temp, lambda file: file.write(data))
+            os.link(temp, path)
+        except FileExistsError:
+            return None
+        finally:
+            _remove_quietly(temp)
+        _fsync_dir(os.path.dirname(path))
+        return piecewise_sha256(data)
+
+    def read_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """(bytes, version) of the object at ``key``, or None if there is none."""
+        data = _read_or_none(self.path(key))
+        return None if data is None else (data, piecewise_sha256(data))
+
+    def replace_if(self, key: str, data: bytes, version: str) -> str | None:
+        """Replace the object at ``key`` with ``data`` if it is still at ``version``; the new
+        version, or None if it changed or is gone (then nothing is written)."""
+        path = self.path(key)
+        if not os.path.isfile(path):  # absent (its folder too, perhaps): nothing to lock
+            return None
+        with _exclusive_lock(path):
+            current = _read_or_none(path)
+            if current is None or piecewise_sha256(current) != version:
+                return None
+            return self._write_atomically(key, [data])
+
+    def delete_if(self, key: str, version: str) -> bool:
+        """Delete the object at ``key`` if it is still at ``version``; True if it was deleted."""
+        path = self.path(key)
+        if not os.path.isfile(path):
+            return False
+        with _exclusive_lock(path):
+            current = _read_or_none(path)
+            if current is None or piecewise_sha256(current) != version:
+                return False
+            os.remove(path)
+        _fsync_dir(os.path.dirname(path))
+        return True
+
     def load_tensors(self, key: str, uri: str, sha256: str, nbytes: int, device: str) -> dict:
         """Read the safetensors file at ``key`` into private memory, in parallel pieces each
         hashed as it is read, and return its tensors once the digest matched
@@ -209,6 +267,30 @@ class LocalDirWriter:
             shutil.rmtree(self.staging_dir)
         except OSError as exc:
             logger.warning("could not remove staging folder %s: %s", self.staging_dir, exc)
+
+
+@contextmanager
+def _exclusive_lock(path: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``.<name>.lock`` next to ``path`` (created if need be).
+
+    The lock file is never deleted: removing it could let two processes lock two different
+    files of one name. The kernel drops the lock of a killed process, so none is ever stale.
+    """
+    folder, name = os.path.split(path)
+    fd = os.open(os.path.join(folder, f".{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the only descriptor releases the lock
+
+
+def _read_or_none(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except FileNotFoundError:
+        return None
 
 
 def _remove_quietly(path: str) -> None:

@@ -8,6 +8,13 @@ module never reads, keeps or prints a credential.
 
 Retries: s3fs and botocore each retry on their own; both are turned down to one attempt so that
 ``RetryPolicy`` is the single, configurable bound, and every operation is retried whole.
+
+Conditional writes (the run lease, ``infra.store.lease``) are S3's own (AWS since 2024; any
+S3 API that honours the headers): PutObject with ``If-None-Match: *`` creates only if absent,
+PutObject and DeleteObject with ``If-Match: <etag>`` only touch the version that was read. They go
+through the botocore client s3fs holds, since s3fs's file API does not pass the conditions. A
+failed condition (412 PreconditionFailed, 409 ConditionalRequestConflict, or 404 for If-Match on a
+deleted object) is an answer, not an error: it is never retried. An object's version is its ETag.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 import s3fs
+from fsspec.asyn import sync
 
 from infra.store import tensors as store_tensors
 from infra.store.faults import (
@@ -31,6 +39,7 @@ from infra.store.faults import (
     StoreUnavailableError,
     call_with_retries,
     classify,
+    client_error_code,
     describe,
 )
 from infra.store.io import copy_hashing, digest_while, copy_to_file_hashing, write_hashing
@@ -45,6 +54,11 @@ _UPLOAD_BLOCK_BYTES = 64 * 2**20
 # Each parallel ranged GET of a download: large enough that requests are few, small enough that
 # every hashing thread gets a share of a rollout's artifacts.
 _DOWNLOAD_SPAN_BYTES = 8 * 2**20
+# What S3 answers when a conditional request's condition does not hold (or lost a race to one
+# that did): the object exists, changed, or is gone.
+_CONDITION_FAILED_CODES = frozenset(
+    {"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"}
+)
 
 
 def validate_bucket(bucket: str) -> str:
@@ -80,7 +94,10 @@ class S3Backend:
         return f"S3Backend({self.root_uri!r})"
 
     def _path(self, key: str) -> str:
-        return f"{self.bucket}/{self.prefix}/{key}" if self.prefix else f"{self.bucket}/{key}"
+        return f"{self.bucket}/{self._object_key(key)}"
+
+    def _object_key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
 
     def uri_of(self, key: str) -> str:
         """The URI of a key."""
@@ -142,6 +159,67 @@ class S3Backend:
             self._call("put", key, lambda: self._fs.pipe_file(path, data))
 
         return digest_while(data, upload)
+
+    # -- conditional writes of small objects ---------------------------------------------------
+
+    def create_if_absent(self, key: str, data: bytes) -> str | None:
+        """Store ``data`` at ``key`` only if nothing is there (``If-None-Match: *``); its ETag,
+        or None if something was."""
+        return self._put_if(key, data, IfNoneMatch="*")
+
+    def replace_if(self, key: str, data: bytes, version: str) -> str | None:
+        """Replace the object at ``key`` if its ETag is still ``version`` (``If-Match``); the new
+        ETag, or None if it changed or is gone."""
+        return self._put_if(key, data, IfMatch=version)
+
+    def _put_if(self, key: str, data: bytes, **condition: str) -> str | None:
+        def put() -> str | None:
+            try:
+                response = self._fs.call_s3(
+                    "put_object", Bucket=self.bucket, Key=self._object_key(key), Body=data,
+                    **condition,
+                )
+            except Exception as exc:
+                if _condition_failed(exc):
+                    return None
+                raise
+            return response["ETag"]
+
+        return self._call("put", key, put)
+
+    def read_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """(bytes, ETag) of the object at ``key``, from one GET; None if there is none."""
+        return self._call("get", key, lambda: sync(self._fs.loop, self._get_versioned, key))
+
+    async def _get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            response = await self._fs._call_s3(
+                "get_object", Bucket=self.bucket, Key=self._object_key(key)
+            )
+        except FileNotFoundError as exc:
+            if classify(exc) is Fault.MISSING_BUCKET:
+                raise
+            return None
+        try:
+            return await response["Body"].read(), response["ETag"]
+        finally:
+            response["Body"].close()
+
+    def delete_if(self, key: str, version: str) -> bool:
+        """Delete the object at ``key`` if its ETag is still ``version``; True if it was."""
+
+        def delete() -> bool:
+            try:
+                self._fs.call_s3(
+                    "delete_object", Bucket=self.bucket, Key=self._object_key(key), IfMatch=version
+                )
+            except Exception as exc:
+                if _condition_failed(exc):
+                    return False
+                raise
+            return True
+
+        return self._call("delete", key, delete)
 
     def write_tensors(self, key: str, tensors: dict) -> tuple[str, int]:
         """Store ``tensors`` as one safetensors object at ``key``; return (digest, size).
@@ -270,6 +348,11 @@ class S3Backend:
         except FileNotFoundError as exc:
             if classify(exc) is Fault.MISSING_BUCKET:
                 raise
+
+
+def _condition_failed(exc: BaseException) -> bool:
+    coded = client_error_code(exc)
+    return coded is not None and (coded[0] in _CONDITION_FAILED_CODES or coded[1] == 412)
 
 
 def _discard(upload: s3fs.core.S3File) -> None:

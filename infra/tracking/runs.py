@@ -10,6 +10,7 @@ import os
 import time
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 from mlflow import MlflowClient
@@ -27,6 +28,14 @@ MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 def tracking_uri(explicit: str | None = None) -> str:
     """`explicit`, else $MLFLOW_TRACKING_URI, else a sqlite file in the working directory."""
     return explicit or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def redacted(uri: str) -> str:
+    """``uri`` without the user info (``https://user:token@host`` -> ``https://***@host``), fit to show."""
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
 def flatten_params(nested: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

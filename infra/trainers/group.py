@@ -19,6 +19,7 @@ from infra.trainers.cluster import RankResources
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.rank import EvalResult, RankWorker, TrainResult
 from infra.store import ArtifactRef, ArtifactStore
+from infra.tracking.system import SystemMetrics
 from infra.trainers.configs import TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class TrainerGroup:
 
     def __init__(self, trainer: TrainerConfig, spec: RunSpec, store: ArtifactStore, world_size: int,
                  resources: RankResources = RankResources(), placement: PlacementGroup | None = None,
-                 num_threads: int = 1):
+                 num_threads: int = 1, system_metrics: SystemMetrics | None = None):
         if world_size != spec.config.train.world_size:
             raise ValueError(f"a {trainer.role} group of world size {world_size} cannot run a rollout planned for "
                              f"[train] world_size = {spec.config.train.world_size}: make them equal")
@@ -49,7 +50,7 @@ class TrainerGroup:
             options = dict(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
                            resources=dict(resources.custom), scheduling_strategy=strategy)
             self.ranks.append(worker.options(**options).remote(trainer, spec, store, rank, world_size, num_threads,
-                                                                   resources.num_gpus))
+                                                                   resources.num_gpus, system_metrics))
         master_addr, master_port = ray.get(self.ranks[0].master_address.remote())
         ray.get([r.setup.remote(master_addr, master_port) for r in self.ranks])
         logger.info("%s group ready: %d ranks, rendezvous %s:%d", self.role, world_size, master_addr, master_port)

@@ -41,6 +41,7 @@ from infra.trainers.prepare import load_prepared
 from infra.store import ArtifactRef, ArtifactStore
 from infra.trainers.checkpoint import checkpoint_key, load_checkpoint, rng_state, save_checkpoint
 from infra.trainers.configs import TrainerConfig
+from infra.tracking.system import SystemMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ class RankWorker:
     """Rank ``rank`` of the group of ``trainer.role``; call `setup` on every rank before anything else."""
 
     def __init__(self, trainer: TrainerConfig, spec: RunSpec, store: ArtifactStore, rank: int,
-                 world_size: int, num_threads: int = 1, promised_gpus: float = 0.0):
+                 world_size: int, num_threads: int = 1, promised_gpus: float = 0.0,
+                 system_metrics: SystemMetrics | None = None):
         # Several ranks share the node's cores: one thread each unless configured otherwise.
         torch.set_num_threads(num_threads)
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {trainer.role}[{rank}] %(name)s: %(message)s")
@@ -99,6 +101,7 @@ class RankWorker:
         self._evaluator = None
         self._sleeping, self._teacher_host = HostCopy(), HostCopy()
         self.sharded = spec.config.train.parallel == "fsdp"
+        self._system_metrics = system_metrics.start(f"{trainer.role}-{rank}") if system_metrics else None
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -377,5 +380,7 @@ class RankWorker:
         return box[0]
 
     def shutdown(self) -> None:
+        if self._system_metrics is not None:
+            self._system_metrics.finish()  # logs what it sampled since its last batch
         if dist.is_initialized():
             dist.destroy_process_group()

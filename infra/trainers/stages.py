@@ -16,6 +16,7 @@ from dmd2.hooks import summarize_critic
 from infra.trainers.cluster import RankResources, rank_placement_group, rank_resources
 from infra.trainers.group import TrainerGroup, TrainResult
 from infra.store import ArtifactRef, ArtifactStore
+from infra.tracking.system import SystemMetrics
 from infra.trainers.configs import compute_trainer_configs
 
 logger = logging.getLogger(__name__)
@@ -46,10 +47,12 @@ class Groups:
 
 
 def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources | None = None,
-                 strategy: str | None = None, checkpoint_dir: str = "checkpoints", num_threads: int = 1) -> Groups:
+                 strategy: str | None = None, checkpoint_dir: str = "checkpoints", num_threads: int = 1,
+                 system_metrics: SystemMetrics | None = None) -> Groups:
     """The groups of the trainer config list: rank i of each on bundle i of one placement group.
 
-    `resources` and `strategy` default to the recipe's `[cluster]` (`rank_resources`)."""
+    `resources` and `strategy` default to the recipe's `[cluster]` (`rank_resources`); with
+    `system_metrics` every rank logs its system metrics to the run's MLflow run."""
     trainers = compute_trainer_configs(spec.config, checkpoint_dir)
     resources = resources or rank_resources(spec.config.cluster, len(trainers))
     strategy = strategy or spec.config.cluster.placement_strategy
@@ -58,7 +61,8 @@ def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources |
     made: dict[str, TrainerGroup] = {}
     try:
         for trainer in trainers:
-            made[trainer.role] = TrainerGroup(trainer, spec, store, world_size, resources, placement, num_threads)
+            made[trainer.role] = TrainerGroup(trainer, spec, store, world_size, resources, placement, num_threads,
+                                              system_metrics)
     except BaseException:
         Groups(actor=made.get("actor"), critic=made.get("critic"), placement=placement).shutdown()
         raise
@@ -116,6 +120,7 @@ def run_rollout_on_groups(groups: Groups, run_id: str, rollout_id: int) -> dict[
     if groups.critic is None:
         raise ValueError("a DMD2 rollout needs a critic group: build the groups with [train] loss_type = 'dmd2'")
     samples = rollout_stage(groups, run_id, rollout_id)
+    sleep_stage(groups.actor)  # the critic's stages come next: the peak is the larger group's, not the sum
     pairs = convert_stage(groups, run_id, rollout_id, samples)
     kept, critic_metrics = critic_train_stage(groups, run_id, rollout_id, pairs)
     scores = score_stage(groups, run_id, rollout_id, kept, pairs)

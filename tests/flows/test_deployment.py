@@ -21,3 +21,6 @@ def test_the_deployment_carries_the_recipe_run_id_and_schedule(prefect_server):
                                      "run_id": "digits-4step"}
     assert [schedule.schedule.cron for schedule in deployment.schedules] == ["0 3 * * *"]
     assert "rollouts" in deployment.parameter_openapi_schema["properties"]  # --param rollouts=N works
+    # One flow run at a time: a run started while one is running waits for it.
+    assert deployment.global_concurrency_limit.limit == 1
+    assert deployment.concurrency_options.collision_strategy == "ENQUEUE"

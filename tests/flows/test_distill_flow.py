@@ -18,7 +18,7 @@ from infra.store import ArtifactStore
 from tests.flows.conftest import write_recipe
 
 ROLLOUTS = 3
-TASKS = ["rollout", "convert", "critic-train", "score", "sleep", "actor-train", "sleep"]
+TASKS = ["rollout", "sleep", "convert", "critic-train", "score", "sleep", "actor-train", "sleep"]
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,20 @@ def test_the_flows_train_the_same_student_as_the_in_process_loop(finished_run, t
     flow_student = load_model(result["student_dir"]).state_dict()
     for name, expected in distiller.student.model.state_dict().items():
         assert torch.allclose(flow_student[name], expected, atol=1e-5, rtol=0), name
+
+
+def test_the_distill_flow_run_has_a_lineage_artifact_and_the_student_a_registered_version(finished_run):
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    result, _, uri = finished_run
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["distill-tiny"])))
+
+    [artifact] = asyncio.run(read())
+    assert result["model_version"] == "tiny/1" and "champion" in result["promotion"]
+    for expected in (result["mlflow_run_id"], "tiny/1", result["student"]["uri"], "| DMD2 student (3 rollouts) |"):
+        assert expected in artifact.data, expected
+    champion = MlflowClient(uri).get_model_version_by_alias("tiny", "champion")
+    assert int(champion.version) == 1 and champion.tags["dmd2.mlflow_run_id"] == result["mlflow_run_id"]

@@ -43,24 +43,20 @@ def _sample(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
+    from dmd2.families.digits.generation import label_count, sample_labels
     from dmd2.families.digits.pretrain import resolve_model
     from dmd2.files import atomic_file
-    from dmd2.model import DiffusersVelocity, load_pretrained
-    from dmd2.sample import generate
+    from dmd2.model import load_pretrained
 
     if args.steps < 1:
         raise SystemExit("error: --steps must be >= 1")
     model = load_pretrained(resolve_model(args.model, args.cache_dir)).eval()
-    classes = getattr(model.config, "num_class_embeds", None)
-    if not classes:
-        raise SystemExit(f"error: --model {args.model} is not class-conditional (no num_class_embeds); "
-                         "the sample command generates class-conditional models such as the digits teacher")
-    labels = torch.arange(args.num_samples) % (classes - 1)  # the last class is the null class
-    size = model.config.sample_size
-    shape = (model.config.in_channels, *(size if isinstance(size, (list, tuple)) else (size, size)))
-    images = generate(DiffusersVelocity(model), {"class_labels": labels},
-                      {"class_labels": torch.full_like(labels, classes - 1)}, shape, sampler=args.sampler,
-                      num_steps=args.steps, guidance_scale=args.guidance, shift=args.shift, seed=args.seed)
+    try:
+        labels = torch.arange(args.num_samples) % label_count(model)
+    except ValueError as error:
+        raise SystemExit(f"error: --model {args.model}: {error}") from None
+    images = sample_labels(model, labels, sampler=args.sampler, num_steps=args.steps, guidance_scale=args.guidance,
+                           shift=args.shift, seed=args.seed)
     with atomic_file(args.out) as tmp, open(tmp, "wb") as f:
         np.savez(f, images=images.float().numpy(), labels=labels.numpy().astype(np.int64))
     print(f"wrote {args.num_samples} samples ({args.sampler}, {args.steps} steps, guidance {args.guidance:g}) "

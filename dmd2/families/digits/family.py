@@ -44,6 +44,8 @@ class DigitsFamily(ModelFamily):
     gate_metric = "eval/fd_teacher"
     report_columns = {"eval/fd_real": "FD vs real", "eval/fd_teacher": "FD vs teacher 32-step",
                       "eval/accuracy": "class accuracy"}
+    generate_example = (0, 1, 2, 3)  # class labels
+    generated_shape = IMAGE_SHAPE[1:]
 
     @classmethod
     def claims(cls, teacher: str) -> bool:
@@ -101,6 +103,12 @@ class DigitsFamily(ModelFamily):
     def export(self, student: nn.Module, config: DistillConfig, out_dir: Path, card: dict[str, Any]) -> None:
         student.save_pretrained(out_dir, safe_serialization=True)  # creates out_dir
         (out_dir / "README.md").write_text(model_card(config, card))
+
+    def student_generator(self, student_dir: Path, settings: dict[str, Any]):
+        from dmd2.families.digits.generation import DigitsGenerator
+
+        model = self.load_model(str(student_dir)).eval().requires_grad_(False)
+        return DigitsGenerator(model, int(settings["num_steps"]), float(settings["shift"]))
 
 
 def model_card(config: DistillConfig, card: dict[str, Any]) -> str:

@@ -56,6 +56,8 @@ class SD3Family(ModelFamily):
     name = "sd3"
     gate_metric = "eval/latent_mse_teacher"
     report_columns = {"eval/latent_mse_teacher": "latent MSE vs teacher", "eval/clip_score": "CLIP score"}
+    generate_example = ("a photo of a cat",)  # prompts
+    generated_shape = (-1, -1, 3)  # [data] resolution, RGB
     table: PromptTable | None = None  # bound on the ranks: the training prompts, then the eval prompts
 
     @classmethod
@@ -157,3 +159,11 @@ class SD3Family(ModelFamily):
                   "rollouts": card.get("rollouts", ""), "teacher": config.model.teacher}
         export_pipeline(config.model.teacher, student, config.student.num_steps, config.student.grid_shift, out_dir,
                         {"recipe": recipe, "metrics": card.get("scores", {})})
+
+    def generation_settings(self, config: DistillConfig) -> dict[str, Any]:
+        return {"num_steps": config.student.num_steps, "resolution": config.data.resolution}  # the shift is exported
+
+    def student_generator(self, student_dir: Path, settings: dict[str, Any]):
+        from dmd2.families.sd3.generation import SD3Generator
+
+        return SD3Generator.load(student_dir, int(settings["num_steps"]), int(settings["resolution"]))

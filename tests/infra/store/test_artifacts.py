@@ -9,6 +9,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -285,6 +286,58 @@ def test_json_round_trip(store_target):
     value = {"loss": 0.25, "steps": [1, 2, 3], "name": "dmd2", "nested": {"ok": True}}
     ref = store.put_json(f"{RUN}/rollout-0/metrics.json", value)
     assert store.get_json(ref) == value
+
+
+def test_conditional_writes_only_touch_the_version_that_was_read(store_target):
+    store = ArtifactStore(store_target.root_uri)
+    key = f"{RUN}/state.json"
+    assert store.read_versioned(key) is None
+    assert store.replace_if(key, b"x", "any") is None and not store.delete_if(key, "any")
+    assert store.replace_if("no-such-run/state.json", b"x", "any") is None
+    first = store.create_if_absent(key, b"first")
+    assert first and store.create_if_absent(key, b"second") is None
+    assert store.read_versioned(key) == (b"first", first)
+
+    second = store.replace_if(key, b"second", first)
+    assert second and second != first and store.read_versioned(key) == (b"second", second)
+    assert store.replace_if(key, b"stale", first) is None  # a swap on a version read before
+    assert not store.delete_if(key, first)
+    assert store_target.read_raw(key) == b"second"
+    assert store.delete_if(key, second) and store.read_versioned(key) is None
+    assert store.create_if_absent(key, b"again")
+    assert [k for k in store_target.raw_keys() if not k.split("/")[-1].startswith(".")] == [key]
+
+
+def test_racing_creators_and_swappers_exactly_one_wins(store_target):
+    key, racers = f"{RUN}/state.json", 4
+    stores = [ArtifactStore(store_target.root_uri) for _ in range(racers)]
+    for store in stores:
+        store.read_versioned(key)  # connect before the race
+    for trial in range(3):
+        start = threading.Barrier(racers, timeout=20)
+
+        def race(call) -> list:
+            results = [None] * racers
+
+            def one(index: int) -> None:
+                start.wait()
+                results[index] = call(stores[index], index)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(racers)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            return results
+
+        created = race(lambda store, i: store.create_if_absent(key, f"c{trial}-{i}".encode()))
+        assert sum(v is not None for v in created) == 1, created
+        data, version = stores[0].read_versioned(key)
+        winner = next(v for v in created if v is not None)
+        assert version == winner
+        swapped = race(lambda store, i: store.replace_if(key, f"s{trial}-{i}".encode(), version))
+        assert sum(v is not None for v in swapped) == 1, swapped
+        assert stores[0].delete_if(key, next(v for v in swapped if v is not None))
 
 
 def test_diffusers_model_directory_round_trip(store_target, tmp_path):

@@ -288,3 +288,20 @@ def test_a_sharded_checkpoint_of_world_size_2_continues_at_world_size_1_to_the_s
         groups.shutdown()
     for role in ("actor", "critic"):
         assert max_abs_diff(world1["weights"][role], continued[role]) <= 1e-5, role
+
+
+def test_every_rank_logs_its_system_metrics_to_the_run_under_its_own_node_id(local_ray, tiny_teacher, tmp_path):
+    from infra.tracking import RunTracker, SystemMetrics
+
+    tracker = RunTracker.start_or_resume("sysmetrics", uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    target = SystemMetrics.of(tracker.client.tracking_uri, tracker.mlflow_run_id, interval_s=0.5)
+    groups = build_groups(run_spec(tiny_config(tiny_teacher, 1)), new_store(tmp_path), system_metrics=target)
+    try:
+        run_rollout_on_groups(groups, RUN, 0)
+    finally:
+        groups.shutdown()
+    tracker.finish()
+    logged = tracker.client.get_run(tracker.mlflow_run_id).data.metrics
+    for node in ("actor-0", "critic-0"):
+        assert any(key.startswith(f"system/{node}/cpu_utilization") for key in logged), sorted(logged)
+        assert any(key.startswith(f"system/{node}/system_memory_usage") for key in logged), sorted(logged)

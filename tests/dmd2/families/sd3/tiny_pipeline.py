@@ -2,8 +2,10 @@
 
 `build_tiny_sd3_pipeline` is a real `StableDiffusion3Pipeline` with every component SD3 has (two CLIP
 text encoders with projections, a T5 encoder, their tokenizers, an MMDiT, a VAE and a flow-matching
-scheduler), only a few thousand parameters each. `build_tiny_sd_pipeline` is a Stable Diffusion 1.x
-pipeline with a DDPM scheduler: the teacher the SD3 family must refuse.
+scheduler), only a few thousand parameters each. `build_sd3_pipeline` is the same with any MMDiT
+config (bench/gpu.py builds a full-size SD3.5 Medium transformer with it): the text encoders and the
+VAE stay as small as the transformer's input widths allow. `build_tiny_sd_pipeline` is a Stable
+Diffusion 1.x pipeline with a DDPM scheduler: the teacher the SD3 family must refuse.
 """
 
 from pathlib import Path
@@ -31,20 +33,27 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 SHIFT = 3.0
 JOINT_ATTENTION_DIM = 32  # T5's width; the CLIP hidden states are zero-padded to it
-CLIP_HIDDEN = 16  # each CLIP's width: 16 + 16 = 32 concatenated
+CLIP_HIDDEN = 16  # each CLIP's width: 16 + 16 = 32 concatenated (at most T5's width)
 CLIP_PROJECTION = 16  # each CLIP's pooled width: 16 + 16 = pooled_projection_dim
 CLIP_MAX_LENGTH = 32  # the CLIP tokenizers pad to this (SD3's real ones: 77)
+TINY_TRANSFORMER = dict(
+    sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+    joint_attention_dim=JOINT_ATTENTION_DIM, caption_projection_dim=16, pooled_projection_dim=2 * CLIP_PROJECTION,
+    out_channels=4, pos_embed_max_size=8,
+)
 T5_WORDS = ["a", "cat", "dog", "photo", "of", "red", "blue", "sign", "the", "on"]
 SPECIALS = {"<|startoftext|>": 0, "<|endoftext|>": 1}
 
 
-def clip_tokenizer() -> CLIPTokenizer:
-    """A byte-level BPE tokenizer with no merges: every byte alone and at a word's end (`</w>`)."""
+def clip_tokenizer(max_length: int = CLIP_MAX_LENGTH) -> CLIPTokenizer:
+    """A byte-level BPE tokenizer with no merges: every byte alone and at a word's end (`</w>`).
+
+    It pads to `max_length` tokens: the CLIP part of the transformer's text sequence."""
     alphabet = list(bytes_to_unicode().values())
     vocab = dict(SPECIALS)
     for symbol in alphabet + [a + "</w>" for a in alphabet]:
         vocab[symbol] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=CLIP_MAX_LENGTH)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
 
 
 def t5_tokenizer() -> T5TokenizerFast:
@@ -58,55 +67,81 @@ def t5_tokenizer() -> T5TokenizerFast:
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
 
 
-def clip_text_config(vocab_size: int, projection_dim: int | None = None) -> CLIPTextConfig:
+def clip_text_config(vocab_size: int, projection_dim: int | None = None,
+                     max_length: int = CLIP_MAX_LENGTH) -> CLIPTextConfig:
     return CLIPTextConfig(
         vocab_size=vocab_size, hidden_size=CLIP_HIDDEN, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH, projection_dim=projection_dim or CLIP_HIDDEN,
+        num_attention_heads=2, max_position_embeddings=max_length, projection_dim=projection_dim or CLIP_HIDDEN,
         bos_token_id=SPECIALS["<|startoftext|>"], eos_token_id=SPECIALS["<|endoftext|>"],
         pad_token_id=SPECIALS["<|endoftext|>"],
     )
 
 
-def tiny_vae() -> AutoencoderKL:
-    """Two blocks: a vae scale factor of 2. SD3's VAE has no quant convs and shifts its latents."""
+def tiny_vae(latent_channels: int = 4, scale_factor: int = 2) -> AutoencoderKL:
+    """log2(scale_factor) + 1 blocks of 8-16 channels (each but the last halves the resolution); SD3's
+    VAE has no quant convs and shifts its latents. The default: two blocks, 4 latent channels."""
+    blocks = scale_factor.bit_length()
+    if scale_factor < 2 or 2 ** (blocks - 1) != scale_factor:
+        raise ValueError(f"the VAE scale factor must be a power of 2 >= 2, got {scale_factor}")
     return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16), layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        in_channels=3, out_channels=3, latent_channels=latent_channels,
+        block_out_channels=tuple(min(8 * 2**i, 16) for i in range(blocks)), layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * blocks, up_block_types=("UpDecoderBlock2D",) * blocks,
         norm_num_groups=4, sample_size=16, scaling_factor=1.5305, shift_factor=0.0609,
         use_quant_conv=False, use_post_quant_conv=False,
     )
 
 
-def tiny_sd3_transformer(seed: int = 0) -> SD3Transformer2DModel:
+def tiny_sd3_transformer(seed: int = 0, **config) -> SD3Transformer2DModel:
+    """An MMDiT of `TINY_TRANSFORMER`'s config, with `config`'s keys replacing its own."""
     torch.manual_seed(seed)
-    return SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
-        joint_attention_dim=JOINT_ATTENTION_DIM, caption_projection_dim=16,
-        pooled_projection_dim=2 * CLIP_PROJECTION, out_channels=4, pos_embed_max_size=8,
+    return SD3Transformer2DModel(**(TINY_TRANSFORMER | config))
+
+
+def t5_encoder(vocab_size: int, width: int, num_layers: int = 2) -> T5EncoderModel:
+    """A T5 encoder of `width` (the MMDiT's joint_attention_dim) whose layers are as thin as can be."""
+    return T5EncoderModel(T5Config(
+        vocab_size=vocab_size, d_model=width, d_kv=8, d_ff=64, num_layers=num_layers, num_heads=4,
+        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    ))
+
+
+def build_sd3_pipeline(path: str | Path, transformer: dict | None = None, seed: int = 0, vae_scale_factor: int = 2,
+                       clip_max_length: int = CLIP_MAX_LENGTH, t5_layers: int = 2,
+                       transformer_dtype: torch.dtype | None = None) -> Path:
+    """Save a StableDiffusion3Pipeline (FlowMatchEulerDiscreteScheduler, shift 3) of random weights into `path`.
+
+    `transformer` updates `TINY_TRANSFORMER` (e.g. a full-size MMDiT's config); the other components
+    are tiny but give what it expects: T5 of width joint_attention_dim (the two CLIPs' 16-wide hidden
+    states are zero-padded to it), CLIP projections of pooled_projection_dim / 2 each, a VAE of
+    in_channels latent channels. `transformer_dtype` (e.g. bf16) is the dtype its weights are saved in.
+    """
+    config = TINY_TRANSFORMER | (transformer or {})
+    if config["pooled_projection_dim"] % 2 or 2 * CLIP_HIDDEN > config["joint_attention_dim"]:
+        raise ValueError(f"pooled_projection_dim {config['pooled_projection_dim']} must be even and "
+                         f"joint_attention_dim {config['joint_attention_dim']} >= {2 * CLIP_HIDDEN}")
+    torch.manual_seed(seed)
+    tokenizer, t5_tok = clip_tokenizer(clip_max_length), t5_tokenizer()
+    projection = config["pooled_projection_dim"] // 2
+
+    def clip() -> CLIPTextModelWithProjection:
+        return CLIPTextModelWithProjection(clip_text_config(len(tokenizer), projection, clip_max_length))
+
+    model = tiny_sd3_transformer(seed, **config)
+    pipeline = StableDiffusion3Pipeline(
+        transformer=model if transformer_dtype is None else model.to(transformer_dtype),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT),
+        vae=tiny_vae(config["in_channels"], vae_scale_factor),
+        text_encoder=clip(), tokenizer=tokenizer, text_encoder_2=clip(), tokenizer_2=clip_tokenizer(clip_max_length),
+        text_encoder_3=t5_encoder(len(t5_tok), config["joint_attention_dim"], t5_layers), tokenizer_3=t5_tok,
     )
+    pipeline.save_pretrained(path, safe_serialization=True)
+    return Path(path)
 
 
 def build_tiny_sd3_pipeline(path: str | Path, seed: int = 0) -> Path:
     """Save a tiny StableDiffusion3Pipeline (FlowMatchEulerDiscreteScheduler, shift 3) into `path`."""
-    torch.manual_seed(seed)
-    tokenizer = clip_tokenizer()
-    t5_tok = t5_tokenizer()
-    pipeline = StableDiffusion3Pipeline(
-        transformer=tiny_sd3_transformer(seed),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT),
-        vae=tiny_vae(),
-        text_encoder=CLIPTextModelWithProjection(clip_text_config(len(tokenizer), CLIP_PROJECTION)),
-        tokenizer=tokenizer,
-        text_encoder_2=CLIPTextModelWithProjection(clip_text_config(len(tokenizer), CLIP_PROJECTION)),
-        tokenizer_2=clip_tokenizer(),
-        text_encoder_3=T5EncoderModel(T5Config(
-            vocab_size=len(t5_tok), d_model=JOINT_ATTENTION_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-        )),
-        tokenizer_3=t5_tok,
-    )
-    pipeline.save_pretrained(path, safe_serialization=True)
-    return Path(path)
+    return build_sd3_pipeline(path, seed=seed)
 
 
 def build_tiny_sd_pipeline(path: str | Path, seed: int = 0) -> Path:

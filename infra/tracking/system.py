@@ -1,0 +1,36 @@
+"""System metrics of the ranks in the run's MLflow run: CPU, memory, disk, network and (with NVML) GPU,
+one MLflow node id per rank (`system/<role>-<rank>/...`), sampled by MLflow's own monitor."""
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SystemMetrics:
+    """Where a rank logs its system metrics; plain values, so it travels to the rank workers."""
+
+    tracking_uri: str
+    mlflow_run_id: str
+    interval_s: float = 10.0
+
+    @classmethod
+    def of(cls, tracking_uri: str, mlflow_run_id: str, interval_s: float = 10.0) -> "SystemMetrics":
+        """For ranks whose working directory may differ from the driver's: a relative sqlite path made absolute."""
+        prefix = "sqlite:///"
+        if tracking_uri.startswith(prefix) and not tracking_uri[len(prefix):].startswith("/"):
+            tracking_uri = prefix + str(Path(tracking_uri[len(prefix):]).resolve())
+        return cls(tracking_uri, mlflow_run_id, interval_s)
+
+    def start(self, node_id: str):
+        """A running `SystemMetricsMonitor` of this process under ``node_id``; call `.finish()` at the end.
+
+        `resume_logging` continues the node's step count, so a resumed run logs no step twice.
+        """
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # only ranks that log need it
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # a line per rank otherwise
+        monitor = SystemMetricsMonitor(self.mlflow_run_id, sampling_interval=self.interval_s, resume_logging=True,
+                                       node_id=node_id, tracking_uri=self.tracking_uri)
+        monitor.start()
+        return monitor
