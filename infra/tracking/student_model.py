@@ -36,9 +36,10 @@ LOGGED_MODEL_NAME = "student-model"
 STUDENT_ARTIFACT = "student"  # the export, under the model's artifacts/
 # What predict imports beyond the standard library; pinned to this environment's releases.
 REQUIREMENTS = ("torch", "diffusers", "transformers", "accelerate", "safetensors", "numpy", "pandas")
-# The project's code goes with the model (its class is pickled by reference), so a serving
-# environment needs only the requirements.
+# The project's code goes with the model, so a serving environment needs only the requirements; the
+# model is this code (models-from-code), not a pickled object.
 CODE_PATHS = (Path(dmd2.__file__).parent, Path(infra.__file__).parent)
+MODEL_CODE = Path(__file__).with_name("student_model_code.py")
 
 
 class StudentModel(mlflow.pyfunc.PythonModel):
@@ -97,7 +98,7 @@ def log_student_model(client: MlflowClient, mlflow_run_id: str, student_dir: Pat
             model = Model(artifact_path=logged.artifact_location, run_id=mlflow_run_id, model_uuid=logged.model_id,
                           model_id=logged.model_id)
             mlflow.pyfunc.save_model(
-                staging / "model", mlflow_model=model, python_model=StudentModel(),
+                staging / "model", mlflow_model=model, python_model=str(MODEL_CODE),
                 artifacts={STUDENT_ARTIFACT: str(Path(student_dir).resolve())}, code_paths=[str(p) for p in CODE_PATHS],
                 model_config={"family": family.name, "settings": dict(settings)},
                 signature=student_signature(family),
