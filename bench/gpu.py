@@ -10,16 +10,15 @@ On a GPU the default shape is a full-size SD3.5 Medium MMDiT (random weights, sa
 the MMDiT's input widths allow (tests/dmd2/families/sd3/tiny_pipeline.py). Without CUDA the default is
 the tests' tiny pipeline, and the memory rows read n/a (CPU ranks report no accelerator memory).
 
-Each timed rollout calls the stages one by one in `run_rollout_on_groups`'s order (waking each group
-explicitly first, so wake and sleep are timed apart from the work); peaks are
-`TrainerGroup.peak_device_memory(reset=True)` of both groups around every step. The stages run one
+Each timed rollout calls the stages one by one in `run_rollout_on_groups`'s order, waking each group
+explicitly (wake and sleep timed apart from the work); peaks are `TrainerGroup.peak_device_memory(reset=True)`
+of both groups around every step. The stages run one
 after another and the idle group allocates nothing, so the device's peak during a step is the active
 group's peak plus the idle group's resident memory (whatever it holds then: asleep, or awake between
 its stages). "Without sleep" runs the same stages with no group ever put to sleep, after one untimed
 rollout that leaves both awake (tests/infra/trainers/test_group.py's rollout_without_sleep).
-Memory figures are bytes the ranks' tensors occupy (torch.cuda.max_memory_allocated): CUDA contexts,
-NCCL buffers and allocator caches are not in them; "device used" is the device-wide figure
-(cudaMemGetInfo, all processes) sampled every 5 ms by this driver, its own CUDA context included.
+Memory figures are bytes the ranks' tensors occupy (torch.cuda.max_memory_allocated; no CUDA contexts, NCCL
+buffers or allocator caches); "device used" is cudaMemGetInfo (all processes) sampled every 5 ms here.
 
 FLOPs. F = FLOPs of one student forward per sample and F_fb of a forward and backward, counted by
 torch.utils.flop_counter.FlopCounterMode over the MMDiT on the meta device at the batch shape (the
@@ -30,9 +29,8 @@ rank, M = W K B samples, one rollout costs:
     critic-train K W B F_fb                              (+ W B F for critic_scoring = "original")
     score        g W B F                                 g = 2 with CFG (both branches in one batch), else 1
     actor-train  A W B F_fb                              A = actor steps per rollout (1)
-The fake score costs nothing extra: fused scoring keeps x0_fake from the critic's last training
-forward. Not counted: FSDP's idle one-row lockstep calls, activation recompute, elementwise math
-outside the model. MFU = FLOPs / W / (seconds per rollout) / (peak dense bf16 FLOP/s of one device).
+The fake score is free (fused scoring keeps x0_fake from the critic's last training forward). Not counted:
+FSDP's idle lockstep calls, activation recompute, math outside the model. MFU = FLOPs / W / (s per rollout) / peak.
 """
 
 from __future__ import annotations
@@ -224,7 +222,7 @@ def instrumented_rollout(groups: Groups, run: str, rollout_id: int, sleep: bool,
     steps: list[Step] = []
     timed(groups, use, steps, "wake actor", groups.actor.wake)
     samples = timed(groups, use, steps, "rollout", lambda: rollout_stage(groups, run, rollout_id))
-    if sleep:
+    if sleep:  # the critic's stages come next
         timed(groups, use, steps, "sleep actor after rollout", lambda: sleep_stage(groups.actor))
     pairs = timed(groups, use, steps, "convert", lambda: convert_stage(groups, run, rollout_id, samples))
     timed(groups, use, steps, "wake critic", groups.critic.wake)
@@ -260,8 +258,7 @@ def summarize(rollouts: list[list[Step]], flops: list[float], config: DistillCon
             "seconds_per_critic_step": seconds("critic-train") / dmd2.critic_steps_per_rollout,
             "seconds_per_actor_step": seconds("actor-train") / dmd2.actor_steps_per_rollout,
             "seconds_rollout_stage": seconds("rollout"), "seconds_score": seconds("score"),
-            "seconds_wake_sleep": seconds("wake actor", "sleep actor after rollout", "wake critic", "sleep critic",
-                                          "wake actor for its step", "sleep actor"),
+            "seconds_wake_sleep": seconds(*(s.name for s in steps if s.name.startswith(("wake", "sleep")))),
             "samples_per_second": train.rollout_batch_size / whole, "tflops_per_device": achieved / 1e12,
             "mfu": achieved / peak if peak else None,
             "group_peak": {role: [max(s.peak[role][i] for s in steps) for i in ranks] for role in roles},
