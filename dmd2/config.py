@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dmd2.critic import LOSS_SPACES, SIGMA_SAMPLINGS
-from dmd2.precision import PRECISIONS
-from dmd2.scoring import CRITIC_SCORING_MODES
-
+# The choices of the options that name a kind of computation. They live here, not beside the code that
+# runs them (dmd2/critic.py, dmd2/precision.py, dmd2/scoring.py, which import them), so that a recipe
+# is validated without importing torch: a refused recipe costs no heavy import (flows/preflight.py).
 LOSS_TYPES = ("dmd2", "flow_matching")
+LOSS_SPACES = ("velocity", "x0")  # [dmd2] critic_loss_space
+SIGMA_SAMPLINGS = ("uniform", "logit_normal")  # [dmd2] critic_sigma_sampling
+PRECISIONS = ("no", "bf16")  # [train] mixed_precision
+CRITIC_SCORING_MODES = ("fused", "original")  # [dmd2] critic_scoring
 
 
 class ConfigError(ValueError):
@@ -113,6 +116,9 @@ class TrainConfig:
         2, "Rollouts whose artifacts stay in the store (the newest); older ones are deleted as the run goes, "
         "checkpoints never. Set it >= rollouts to keep them all."
     )
+    max_failures: int = option(3, "Times a run recovers in place from a lost rank (its process died, or its "
+                                   "collectives broke): new trainer groups load the last checkpoint and the run "
+                                   "goes on. Past it the run fails with the cause; 0: never recover.")
 
 
 @dataclass(frozen=True)
@@ -260,8 +266,10 @@ def load_recipe(path: str | Path, overrides: dict[str, dict[str, Any]] | None = 
     try:
         with path.open("rb") as f:
             data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path} is not valid TOML: {error}") from None
+    except tomllib.TOMLDecodeError as error:  # its message ends "(at line L, column C)"
+        raise ConfigError(f"{path} is not valid TOML: {error}; fix that line") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"recipe {path} cannot be read as UTF-8 text ({error}); save it as UTF-8 TOML") from None
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update(values)
     return config_from_dict(data, source=str(path) + (" with --set overrides" if overrides else ""))
@@ -337,6 +345,7 @@ def _validate(config: DistillConfig) -> None:
     _check(train.keep_rollouts >= 0,
            f"[train] keep_rollouts must be >= 0 (0: delete each rollout's artifacts once it is done), "
            f"got {train.keep_rollouts}")
+    _check(train.max_failures >= 0, f"[train] max_failures must be >= 0 (0: never recover), got {train.max_failures}")
     _check(train.rollout_batch_size % train.world_size == 0,
            f"[train] rollout_batch_size ({train.rollout_batch_size}) must split evenly over "
            f"world_size ({train.world_size}) ranks")

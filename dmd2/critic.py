@@ -10,11 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dmd2.config import LOSS_SPACES, SIGMA_SAMPLINGS
 from dmd2.model import Cond, VelocityFn
 from dmd2.schedule import add_noise, shift_sigma, velocity_target, x0_from_velocity
-
-LOSS_SPACES = ("velocity", "x0")
-SIGMA_SAMPLINGS = ("uniform", "logit_normal")
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,11 @@ The recipe names the family (`[model] family`), or the family is inferred from t
 `family_for` resolves it here, in one place (docs/architecture.md, "Model families").
 
 Where each part runs:
-    driver, before any server   `check`, `resolve` (e.g. pretrain and cache a built-in teacher),
-                                `run_spec`, `prepared_key` (cheap: read configs and files, never weights)
+    CLI, before heavy imports   `claims`, `check`: the family's checks module, standard library only,
+                                so a refused recipe costs no torch import (flows/preflight.py); this
+                                module imports no torch either, and names each family's code by path
+    driver, before any server   `resolve` (e.g. pretrain and cache a built-in teacher), `run_spec`,
+                                `prepared_key` (cheap: read configs and files, never weights)
     a Ray worker, once per run  `prepare` (e.g. encode the prompts); the result is stored under
                                 `prepared_key` and reused by later runs with the same inputs
     a rank of a trainer group   `bind` (the prepared inputs), `load_model`, `velocity`,
@@ -18,26 +21,46 @@ Where each part runs:
                                 model, infra/tracking/student_model.py, calls)
 """
 
+from __future__ import annotations  # torch, numpy and the model code appear in annotations only
+
 import argparse
 import dataclasses
+import importlib
 import os
 import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
 
-import numpy as np
-import torch
-from torch import Tensor, nn
-
-from dmd2.conditioning import CondSource
 from dmd2.config import ConfigError, DistillConfig, ModelConfig
-from dmd2.model import DiffusersVelocity, VelocityFn
 
-# name -> "package.module:Class"; resolved lazily so that choosing one family never imports the others.
+if TYPE_CHECKING:  # importing this module stays light: the registry serves the CLI before torch loads
+    import numpy as np
+    import torch
+    from torch import Tensor, nn
+
+    from dmd2.conditioning import CondSource
+    from dmd2.model import VelocityFn
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Where one family's code is, by dotted path, imported only when asked for: choosing a family imports
+    no other, and refusing a recipe imports no family's heavy code."""
+
+    family: str  # "module:Class", the ModelFamily; it imports torch and diffusers, so only a run loads it
+    # A module importing only the standard library (and dmd2.config), with `claims(teacher) -> bool` and
+    # `check(config)`: what the CLI and flows/preflight.py ask before anything heavy loads. The family's
+    # own `claims` and `check` are these functions.
+    checks: str
+    commands: str | None = None  # "module:NAME", the family's CLI commands (a list of `Command`), light too
+
+
 FAMILIES = {
-    "digits": "dmd2.families.digits.family:DigitsFamily",
-    "sd3": "dmd2.families.sd3.family:SD3Family",
+    "digits": Registration("dmd2.families.digits.family:DigitsFamily", "dmd2.families.digits.checks",
+                           "dmd2.families.digits.commands:COMMANDS"),
+    "sd3": Registration("dmd2.families.sd3.family:SD3Family", "dmd2.families.sd3.checks"),
 }
 
 
@@ -84,7 +107,7 @@ class RunSpec:
     the conditioning source, and the cache directory the family may use on the ranks."""
 
     config: DistillConfig
-    family: "ModelFamily"
+    family: ModelFamily
     sample_shape: tuple[int, ...]
     conds: CondSource
     cache_dir: str
@@ -94,7 +117,9 @@ class RunSpec:
 
 class ModelFamily:
     """The contract every family implements (subclasses are small frozen dataclasses, so they pickle
-    to Ray ranks). Methods with a body here are defaults that suit a plain diffusers model."""
+    to Ray ranks). Methods with a body here are defaults that suit a plain diffusers model, except
+    `claims`, `check` and `commands`: those are the family's registration's (`FAMILIES`), kept apart
+    from the class so that the CLI can ask them without importing it; a family does not override them."""
 
     name: ClassVar[str]
     # The score that decides whether one student beats another, and its direction (None: no score does,
@@ -110,16 +135,18 @@ class ModelFamily:
 
     @classmethod
     def claims(cls, teacher: str) -> bool:
-        """Whether `[model] teacher = teacher` is a model of this family (read configs only)."""
-        raise NotImplementedError
+        """Whether `[model] teacher = teacher` is a model of this family (read configs only): its checks module's."""
+        return family_checks(cls.name).claims(teacher)
 
     @classmethod
     def commands(cls) -> list[Command]:
-        """Extra CLI commands the family offers."""
-        return []
+        """Extra CLI commands the family offers (its registration names them)."""
+        return family_commands(cls.name)
 
     def check(self, config: DistillConfig) -> None:
-        """Refuse, with a `ConfigError` naming the option and the fix, what this family cannot run."""
+        """Refuse, with a `ConfigError` naming the option and the fix, what this family cannot run: its checks
+        module's `check`, the very code the CLI runs before anything heavy loads."""
+        family_checks(self.name).check(config)
 
     def resolve(self, config: DistillConfig, cache_dir: Path) -> DistillConfig:
         """The config with every model spec loadable by `load_model` (a directory or a hub id)."""
@@ -136,7 +163,7 @@ class ModelFamily:
         """The once-per-run inputs, as named tensor tables (e.g. the encoded prompts)."""
         raise NotImplementedError
 
-    def bind(self, prepared: dict[str, dict[str, Tensor]], device: torch.device | str = "cpu") -> "ModelFamily":
+    def bind(self, prepared: dict[str, dict[str, Tensor]], device: torch.device | str = "cpu") -> ModelFamily:
         """This family holding the prepared inputs on `device` (on the ranks, before any model call:
         moved there once, so no model call copies them)."""
         return self
@@ -150,6 +177,8 @@ class ModelFamily:
 
     def velocity(self, model: nn.Module) -> VelocityFn:
         """The model's velocity call for `(x_s, sigma, cond)`."""
+        from dmd2.model import DiffusersVelocity
+
         return DiffusersVelocity(model)
 
     def evaluator(self, config: DistillConfig, cache_dir: Path) -> Evaluator:
@@ -165,7 +194,7 @@ class ModelFamily:
         """How `generate` samples this run's export (JSON values; kept with the logged student model)."""
         return {"num_steps": config.student.num_steps, "shift": config.student.grid_shift}
 
-    def student_generator(self, student_dir: Path, settings: dict[str, Any]) -> "StudentGenerator":
+    def student_generator(self, student_dir: Path, settings: dict[str, Any]) -> StudentGenerator:
         """The export in `student_dir`, loaded once, as a call from inputs to pictures (a served model's)."""
         raise NotImplementedError
 
@@ -180,26 +209,53 @@ class StudentGenerator(Protocol):
         """One uint8 picture per input; the same inputs and seed give the same pixels."""
 
 
-def family_class(name: str) -> type[ModelFamily]:
+def _registration(name: str) -> Registration:
     if name not in FAMILIES:
         raise ConfigError(f"[model] family = {name!r} is not a model family; choose one of {sorted(FAMILIES)}")
-    return pkgutil.resolve_name(FAMILIES[name])
+    return FAMILIES[name]
 
 
-def family_for(model: ModelConfig) -> ModelFamily:
-    """The family the recipe names in `[model] family`, else the one that claims `[model] teacher`."""
+def family_class(name: str) -> type[ModelFamily]:
+    """The family's class (imports its models' code: torch, diffusers)."""
+    return pkgutil.resolve_name(_registration(name).family)
+
+
+def family_checks(name: str) -> ModuleType:
+    """The family's checks module: `claims(teacher)` and `check(config)`, importing no heavy code."""
+    return importlib.import_module(_registration(name).checks)
+
+
+def family_commands(name: str) -> list[Command]:
+    commands = _registration(name).commands
+    return list(pkgutil.resolve_name(commands)) if commands else []
+
+
+def family_name(model: ModelConfig) -> str:
+    """The family the recipe names in `[model] family`, else the one that claims `[model] teacher` (light)."""
     if model.family:
-        return family_class(model.family)()
+        _registration(model.family)  # refuses a name that is not registered
+        return model.family
     for name in FAMILIES:
-        cls = family_class(name)
-        if cls.claims(model.teacher):
-            return cls()
+        if family_checks(name).claims(model.teacher):
+            return name
     missing = "" if Path(model.teacher).exists() else " (no such file or directory)"
     raise ConfigError(f"no model family recognises [model] teacher = {model.teacher!r}{missing} (families: "
                       f"{sorted(FAMILIES)}); point it at a model or pipeline directory of one of them, or for a "
                       "hub id set [model] family")
 
 
+def checked_family(config: DistillConfig) -> str:
+    """The name of the family that runs `config`, once its checks passed (light: no family's models load)."""
+    name = family_name(config.model)
+    family_checks(name).check(config)
+    return name
+
+
+def family_for(model: ModelConfig) -> ModelFamily:
+    """The family the recipe names in `[model] family`, else the one that claims `[model] teacher`."""
+    return family_class(family_name(model))()
+
+
 def all_commands() -> list[Command]:
-    """Every family's CLI commands (imports each family: for building the CLI's parser only)."""
-    return [command for name in FAMILIES for command in family_class(name).commands()]
+    """Every family's CLI commands (light: for building the CLI's parser)."""
+    return [command for name in FAMILIES for command in family_commands(name)]

@@ -8,6 +8,7 @@ for a text-to-image transformer.
 """
 
 import inspect
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -44,10 +45,28 @@ def load_pretrained(path: str, dtype: torch.dtype | None = None) -> nn.Module:
     (`low_cpu_mem_usage`, through accelerate), so a rank never holds a full fp32 copy on the host to
     cast afterwards. Weights that need no cast may stay in the file mapping: `own_storage` gives them
     storages of their own before they are offloaded (infra/trainers/offload.py).
+
+    Only safetensors weights are read (`use_safetensors`): a directory may come from a shared store, and
+    pickled weights (`.bin`) can run code when loaded, so a directory holding only those is refused.
     """
     from diffusers import AutoModel  # slow to import; only model loading needs it
 
-    return AutoModel.from_pretrained(str(path), low_cpu_mem_usage=True, torch_dtype=dtype)
+    _refuse_pickled_only(Path(path))
+    return AutoModel.from_pretrained(str(path), low_cpu_mem_usage=True, torch_dtype=dtype, use_safetensors=True)
+
+
+_PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def _refuse_pickled_only(folder: Path) -> None:
+    """An `OSError` saying what to do if `folder` holds pickled weights and no safetensors (else nothing)."""
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return
+    pickled = sorted(path.name for pattern in _PICKLED_WEIGHTS for path in folder.glob(pattern))
+    if pickled:
+        raise OSError(f"{folder} holds pickled weights ({', '.join(pickled)}) and no safetensors; only safetensors "
+                      "are loaded (unpickling can run code): save the model with save_pretrained(dir, "
+                      "safe_serialization=True)")
 
 
 def guided(velocity_fn: VelocityFn, scale: float, neg_cond: Cond) -> VelocityFn:

@@ -1,9 +1,15 @@
 """Optimizer construction and one optimizer step, shared by every trainer (in-process and on Ray)."""
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
+
+from dmd2.failures import NonFiniteError
+
+# (loss, grad norm) of this rank -> those of every rank, one row each (a data-parallel group's gather).
+GatherFigures = Callable[[Tensor], Tensor]
 
 
 def make_optimizer(
@@ -24,13 +30,33 @@ def optimizer_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     loss: Tensor,
     grad_clip: float | None,
+    gather: GatherFigures | None = None,
 ) -> dict[str, float]:
-    """Backward, clip, step; returns {loss, grad_norm (before clipping), lr (the lr this step used)}."""
+    """Backward, clip, step; returns {loss, grad_norm (before clipping), lr (the lr this step used)}.
+
+    A loss or gradient norm that is not finite on any rank (`gather` collects every rank's, so all
+    ranks decide alike) raises `NonFiniteError` before the step: weights and optimizer state stay as
+    they were. Clipping would not save such a step: it scales a NaN gradient to NaN.
+    """
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     max_norm = grad_clip if grad_clip else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    figures = torch.tensor([loss.item(), grad_norm.item()], dtype=torch.float64)
+    every_rank = gather(figures) if gather is not None else figures[None]
+    if not torch.isfinite(every_rank).all():
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(_describe(every_rank))
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
-    return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+    return {"loss": figures[0].item(), "grad_norm": figures[1].item(), "lr": lr}
+
+
+def _describe(every_rank: Tensor) -> str:
+    """'loss = nan, grad norm = nan' (one rank), or each non-finite rank's figures."""
+    rows = [(rank, loss, norm) for rank, (loss, norm) in enumerate(every_rank.tolist())
+            if not (math.isfinite(loss) and math.isfinite(norm))]
+    if len(every_rank) == 1:
+        return f"loss = {rows[0][1]:.4g}, grad norm = {rows[0][2]:.4g}"
+    return "; ".join(f"rank {rank}: loss = {loss:.4g}, grad norm = {norm:.4g}" for rank, loss, norm in rows)

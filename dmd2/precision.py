@@ -11,8 +11,6 @@ from torch import Tensor
 
 from dmd2.model import Cond, VelocityFn
 
-PRECISIONS = ("no", "bf16")
-
 
 class Autocast:
     """`velocity_fn` computed under torch.autocast(bf16) on `device_type`; returns float32."""

@@ -10,7 +10,7 @@ Conventions (rectified flow, as in SD3 / Flux / Wan; docs/architecture.md §1):
 import torch
 from torch import Tensor
 
-TIMESTEP_SCALE = 1000.0
+from dmd2.conventions import TIMESTEP_SCALE
 
 
 def shift_sigma(sigma: Tensor, shift: float) -> Tensor:

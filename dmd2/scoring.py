@@ -14,8 +14,6 @@ from dmd2.critic import ScoringInputs, training_sigma
 from dmd2.model import Cond, VelocityFn, guided
 from dmd2.schedule import add_noise, x0_from_velocity
 
-CRITIC_SCORING_MODES = ("fused", "original")
-
 
 @dataclass(frozen=True)
 class Scores:

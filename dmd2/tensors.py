@@ -5,7 +5,7 @@ field `cond` with key `class_labels` is stored as `cond.class_labels`.
 """
 
 import dataclasses
-from typing import TypeVar
+from typing import Iterable, TypeVar
 
 import torch
 from torch import Tensor
@@ -69,3 +69,15 @@ def to_device(record: Record, device: torch.device | str) -> Record:
         else:
             moved[field.name] = value.to(device)
     return type(record)(**moved)
+
+
+def non_finite(named: Iterable[tuple[str, Tensor]]) -> str | None:
+    """The first floating-point tensor holding a NaN or an infinity, described ("name: 3 of 4096 values
+    not finite"), or None when all are finite. Checked before anything is stored."""
+    for name, tensor in named:
+        if tensor.is_floating_point():
+            finite = torch.isfinite(tensor)
+            if not bool(finite.all()):
+                first = tensor[~finite].reshape(-1)[0].item()
+                return f"{name}: {int((~finite).sum())} of {tensor.numel()} values not finite (the first: {first})"
+    return None

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from dmd2.config import DistillConfig, DMD2Config
 from dmd2.convert import TrainPairs
 from dmd2.model import DiffusersVelocity, VelocityFn
-from dmd2.optim import make_optimizer, optimizer_step
+from dmd2.failures import NonFiniteError
+from dmd2.optim import GatherFigures, make_optimizer, optimizer_step
 from dmd2.plan import RolloutPlan
 
 
@@ -43,6 +44,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     grad_clip: float
+    gather: GatherFigures | None = None  # a data-parallel group's: every rank's loss and grad norm
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,18 @@ def train_state(model: nn.Module, lr: float, config: DistillConfig,
 def train_steps(
     state: TrainState, hooks: Hooks, ctx: HookContext, pairs: TrainPairs, num_steps: int
 ) -> tuple[list[dict[str, float]], Any]:
-    """`num_steps` optimizer steps, then the train-output hook without grad; returns (per-step metrics, output)."""
+    """`num_steps` optimizer steps, then the train-output hook without grad; returns (per-step metrics, output).
+
+    A non-finite step stops the steps (`NonFiniteError` naming it); the ones before it stay applied."""
     pairs = hooks.train_input(ctx, pairs)
     metrics, kept = [], []
     for step in range(num_steps):
         loss, step_metrics, keep = hooks.loss(ctx, state.velocity, hooks.prepare(ctx, pairs, step), step)
-        metrics.append(optimizer_step(state.model, state.optimizer, state.scheduler, loss, state.grad_clip) | step_metrics)
+        try:
+            stepped = optimizer_step(state.model, state.optimizer, state.scheduler, loss, state.grad_clip, state.gather)
+        except NonFiniteError as error:
+            raise NonFiniteError(f"optimizer step {step + 1} of {num_steps}: {error}") from None
+        metrics.append(stepped | step_metrics)
         kept.append(keep)
     with torch.no_grad():
         return metrics, hooks.train_output(ctx, kept)

@@ -22,6 +22,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 from dmd2.config import ConfigError  # noqa: E402
+from dmd2.failures import RunError  # noqa: E402
 from dmd2.family import all_commands  # noqa: E402
 from flows.commands import (add_distill_args, cache_arg, cmd_distill, cmd_evaluate, cmd_run,  # noqa: E402
                             cmd_serve, recipe_args)
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except RunError as error:  # a run's own failure (non-finite, the store, lost ranks): its message says it all
+        print(f"error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

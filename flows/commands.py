@@ -1,15 +1,17 @@
 """The orchestrated commands of the CLI: run (make run), distill, evaluate, serve.
 
-Every input is checked before Prefect or Ray start: the recipe, its `--set` overrides, the model
-family, the run id, and that the store and the local outputs are separate folders.
+Every input is checked first, before Prefect, Ray or MLflow start and before anything heavy is
+imported (flows/preflight.py): the recipe, its `--set` overrides, the model family and its model
+paths, the run id, the store, that the store and the local outputs are separate folders, and the
+Ray, Prefect and MLflow addresses. This module imports nothing heavy at its top for that reason.
 """
 
 import argparse
 from pathlib import Path
 
-from dmd2.config import ConfigError
-from dmd2.family import default_cache_dir
+from dmd2.family import default_cache_dir, family_class
 from dmd2.report import format_table
+from flows.preflight import preflight, preflight_evaluation
 from flows.recipe import DEFAULT_RECIPE, check_run_id, run_config
 
 MLFLOW_HINT = "mlflow ui --backend-store-uri {uri}   # then open http://127.0.0.1:5000"
@@ -46,6 +48,9 @@ def add_distill_args(parser: argparse.ArgumentParser) -> None:
 
 def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
     """Check everything cheap, then run the distill flow; returns (its result, the family's columns)."""
+    preflight(args.recipe, args.overrides, args.rollouts, run_id=args.run_id or args.recipe.stem, store_uri=args.store,
+              output_dir=args.output_dir, cache_dir=args.cache_dir, ray_address=args.ray_address,
+              tracking_uri=args.tracking_uri)
     from infra.store import ArtifactStore, LeaseHeldError, RunLease
 
     config, family = run_config(args.recipe, args.overrides, args.rollouts)
@@ -58,13 +63,17 @@ def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
         RunLease.check_free(store, run_id)
     except (ValueError, LeaseHeldError) as error:
         raise SystemExit(f"error: {error}") from None
+    from infra.tracking import uri_to_pass_on
+
+    tracking = uri_to_pass_on(args.tracking_uri, "--tracking-uri")  # a flow parameter: credentials go to the env
     result = distill(recipe=str(args.recipe), run_id=run_id, rollouts=args.rollouts, overrides=args.overrides,
-                     store_uri=args.store, ray_address=args.ray_address, tracking_uri=args.tracking_uri,
+                     store_uri=args.store, ray_address=args.ray_address, tracking_uri=tracking,
                      cache_dir=str(args.cache_dir), output_dir=str(args.output_dir))
     return result, family.report_columns
 
 
 def _report(result: dict, columns: dict[str, str], tracking_uri: str | None) -> None:
+    from infra.tracking import redacted
     from infra.tracking import tracking_uri as resolve_tracking_uri
 
     scores = ", ".join(f"{heading} {result['eval'][key]:.4g}" for key, heading in columns.items()
@@ -80,7 +89,9 @@ def _report(result: dict, columns: dict[str, str], tracking_uri: str | None) -> 
         print(f"{name}: {path}")
     if result.get("model_version"):
         print(f"registered model version {result['model_version']} ({result['promotion']})")
-    print(f"MLflow run {result['mlflow_run_id']}: {MLFLOW_HINT.format(uri=resolve_tracking_uri(tracking_uri))}")
+    uri = redacted(resolve_tracking_uri(tracking_uri))
+    hint = f"open {uri}" if uri.startswith(("http://", "https://")) else MLFLOW_HINT.format(uri=uri)
+    print(f"MLflow run {result['mlflow_run_id']}: {hint}")
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
@@ -100,12 +111,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Score a student directory the way its family evaluates students (in this process)."""
+    config, name = preflight_evaluation(args.recipe, args.overrides, args.student)
     import torch
 
-    config, family = run_config(args.recipe, args.overrides)
-    if not args.student.is_dir():
-        raise ConfigError(f"--student {args.student} is not a directory; give a run's exported student, e.g. "
-                          "outputs/<run id>/student")
+    family = family_class(name)()
     config = family.resolve(config, args.cache_dir)
     student = family.load_model(str(args.student)).eval()
     with torch.no_grad():
@@ -137,8 +146,9 @@ def build_deployment(name: str, recipe: Path, run_id: str | None, cron: str | No
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the distill flow as a deployment: `prefect deployment run 'distill/<name>'` starts runs."""
+    # The deployment's runs use this environment's store, Ray and MLflow: refused now, not at the first run.
+    preflight(args.recipe, args.overrides, args.rollouts, run_id=args.run_id or args.recipe.stem)
     from prefect import serve
 
-    run_config(args.recipe, args.overrides, args.rollouts)  # a bad recipe is refused before serving
     serve(build_deployment(args.name, args.recipe, args.run_id, args.cron, args.overrides, args.rollouts))
     return 0

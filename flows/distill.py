@@ -7,6 +7,7 @@ exported student) and the local outputs (a copy of the student, the sample grid)
 """
 
 import dataclasses
+import itertools
 import os
 import re
 import socket
@@ -18,6 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from dmd2.config import ConfigError, DistillConfig, config_to_dict
+from dmd2.failures import RunError
 from dmd2.family import ModelFamily, default_cache_dir
 from dmd2.report import format_table
 from dmd2.progress import progress_bar
@@ -25,9 +27,9 @@ from flows.outputs import RunResult, find_result, save_result, write_outputs
 from flows.recipe import DEFAULT_RECIPE, check_run_id, run_config
 from flows.rollout import rollout_flow
 from flows.series import series_run_id
-from infra.store import ArtifactStore, RunLease
-from infra.tracking import RunTracker, SystemMetrics, redacted, register_student
-from infra.trainers import Groups, build_groups, ensure_ray, load_groups
+from infra.store import ArtifactStore, IntegrityError, RunLease
+from infra.tracking import RunTracker, SystemMetrics, redacted, refuse_user_info, register_student
+from infra.trainers import Groups, RecoverableError, build_groups, ensure_ray, load_groups
 from tasks import runtime
 from tasks.distill import checkpoint, evaluate, export, prepare, reference_media
 
@@ -77,7 +79,14 @@ def distill(
     by that many rollouts past its last checkpoint instead. `run_id_template` (e.g. "nightly-{date}", for
     scheduled retraining) picks the run id: the series' run with this teacher and these training options,
     or a new one (`flows.series`).
+
+    `store_uri` and `tracking_uri` must carry no credentials (Prefect stores and shows a flow run's
+    parameters): they come from the environment (a work pool's job variables for a deployment), e.g.
+    AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD; the CLI moves the user info
+    of an http(s) `--tracking-uri` there itself.
     """
+    refuse_user_info(store_uri, "store_uri")  # Prefect holds them already; refused, they reach nothing else
+    refuse_user_info(tracking_uri, "tracking_uri")
     if more_rollouts is not None and (rollouts is not None or more_rollouts < 1):
         raise ConfigError(f"more_rollouts = {more_rollouts}: give a number >= 1, and not together with rollouts")
     config, family = run_config(recipe, overrides, rollouts)
@@ -164,38 +173,66 @@ def _run(config: DistillConfig, family: ModelFamily, run_id: str, store: Artifac
          cache: Path, recipe: str, lease: RunLease) -> tuple[RunResult, int, bool]:
     """Build the groups, train to the recipe's rollouts, evaluate and export; the groups end with it.
 
-    Returns the result, how many rollouts this flow run trained, and whether it made the prepared inputs."""
+    A lost rank (`RecoverableError`: its process died, its collectives broke) costs the rollouts since
+    the last checkpoint: new groups load it and the run goes on in this flow run and MLflow run, up to
+    `[train] max_failures` times. Returns the result, how many rollouts this flow run advanced the run
+    by, and whether it made the prepared inputs."""
     ensure_ray()
     prepared, made = prepare(family, config, store)
     tracker.set_tags({"dmd2.prepared": prepared.uri if prepared else "none"})
     spec = dataclasses.replace(family.run_spec(config, cache), prepared=prepared)
     threads = max(1, (os.cpu_count() or 1) // config.train.world_size)
-    groups = build_groups(spec, store, num_threads=threads,
-                          system_metrics=SystemMetrics.of(tracker.client.tracking_uri, tracker.mlflow_run_id))
-    runtime.register(run_id, groups)
-    try:
-        trained, (scores, media, baselines) = _train(config, run_id, store, groups, tracker, lease)
-        lease.check()  # a run that lost its run id exports nothing
-        card = {"teacher": config.model.teacher, "recipe": recipe, "run_id": run_id,
-                "rollouts": config.train.rollouts, "scores": scores}
-        student = export(run_id, config.train.rollouts, card)
-        result = RunResult(run_id, tracker.mlflow_run_id, config.train.rollouts, student, scores, media, baselines)
-        save_result(store, result)
-        return result, trained, made
-    finally:
-        runtime.unregister(run_id)
-        groups.shutdown()
+    system_metrics = SystemMetrics.of(tracker.client.tracking_uri, tracker.mlflow_run_id)
+    first = None  # the first rollout this flow run trained
+    for failures in itertools.count():
+        groups, lost = None, False
+        try:
+            groups = build_groups(spec, store, num_threads=threads, system_metrics=system_metrics)
+            runtime.register(run_id, groups)
+            start = resume(groups, store, run_id)
+            first = start if first is None else first
+            scores, media, baselines = _train(config, run_id, store, groups, tracker, lease, start)
+            lease.check()  # a run that lost its run id exports nothing
+            card = {"teacher": config.model.teacher, "recipe": recipe, "run_id": run_id,
+                    "rollouts": config.train.rollouts, "scores": scores}
+            student = export(run_id, config.train.rollouts, card)
+            result = RunResult(run_id, tracker.mlflow_run_id, config.train.rollouts, student, scores, media,
+                               baselines)
+            save_result(store, result)
+            return result, config.train.rollouts - first, made
+        except RecoverableError as error:
+            lost = True
+            _recover_or_raise(config, run_id, store, tracker, error, failures)
+        finally:
+            runtime.unregister(run_id)
+            if groups is not None:
+                groups.shutdown(graceful=not lost)
+    raise AssertionError("unreachable: the loop returns or raises")
+
+
+def _recover_or_raise(config: DistillConfig, run_id: str, store: ArtifactStore, tracker: RunTracker,
+                      error: RecoverableError, failures: int) -> None:
+    """Count a recovery in MLflow and the flow run's log, or fail the run once past `[train] max_failures`."""
+    limit = config.train.max_failures
+    rollouts, latest = store.list_rollouts(run_id), store.latest_checkpoint(run_id)
+    if failures >= limit:
+        raise RunError(f"run {run_id} failed: {error}. It recovered {failures} time(s), the limit ([train] "
+                       f"max_failures = {limit}); rerun the same command to resume from its last checkpoint "
+                       f"({f'after {latest.step} rollouts' if latest else 'none yet'}).") from error
+    resumes = f"the checkpoint after {latest.step} rollouts" if latest else "the start (no checkpoint yet)"
+    get_run_logger().warning("run %s: %s. Recovering (%d of %d): new trainer groups resume from %s",
+                             run_id, error, failures + 1, limit, resumes)
+    tracker.log_metrics(rollouts[-1] if rollouts else 0, {"run/recoveries": failures + 1})
+    tracker.set_tags({"dmd2.recoveries": str(failures + 1)})
 
 
 def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Groups, tracker: RunTracker,
-           lease: RunLease):
-    """Rollouts from the last checkpoint to the target, with checkpoints and evaluations on their intervals.
+           lease: RunLease, start: int):
+    """Rollouts from `start` to the target, with checkpoints and evaluations on their intervals.
 
-    Returns the rollouts trained and the last evaluation's (scores, media ref, baselines); the baselines
-    are scored once, at the end.
+    Returns the last evaluation's (scores, media ref, baselines); the baselines are scored once, at the end.
     """
     total, train = config.train.rollouts, config.train
-    start = resume(groups, store, run_id)
     if start == 0:  # the evaluator's reference pictures (e.g. the teacher's grid), once, at the run's start
         reference = reference_media(run_id)
         for name, picture in (store.get_tensors(reference) if reference else {}).items():
@@ -215,7 +252,7 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
             bar.update(1)
     if evaluation is None:  # resumed from the last checkpoint: score the restored student once more
         evaluation = _evaluate(run_id, store, tracker, step=total - 1, final=True)
-    return total - start, (evaluation.scores, evaluation.media, evaluation.baselines)
+    return evaluation.scores, evaluation.media, evaluation.baselines
 
 
 def _evaluate(run_id: str, store: ArtifactStore, tracker: RunTracker, step: int, final: bool):
@@ -229,10 +266,18 @@ def _evaluate(run_id: str, store: ArtifactStore, tracker: RunTracker, step: int,
 
 
 def resume(groups: Groups, store: ArtifactStore, run_id: str) -> int:
-    """Load the last complete checkpoint (if any); return the first rollout still to run."""
-    latest = store.latest_checkpoint(run_id)
-    if latest is None:
-        return 0
-    load_groups(groups, latest.ref)
-    get_run_logger().info("resuming run %s from its checkpoint after %d rollouts", run_id, latest.step)
-    return latest.step
+    """Load the last complete checkpoint (if any); return the first rollout still to run.
+
+    A checkpoint that fails its checksums (or misses a file) is discarded, the user is told, and the
+    one before it is loaded: a run never continues from damaged weights, nor stops for them."""
+    while (latest := store.latest_checkpoint(run_id)) is not None:
+        try:
+            load_groups(groups, latest.ref)
+        except (IntegrityError, FileNotFoundError) as error:
+            get_run_logger().warning("run %s: the checkpoint after %d rollouts is damaged (%s); discarding it and "
+                                     "resuming from the one before", run_id, latest.step, error)
+            store.discard_checkpoint(run_id, latest.step)
+            continue
+        get_run_logger().info("resuming run %s from its checkpoint after %d rollouts", run_id, latest.step)
+        return latest.step
+    return 0

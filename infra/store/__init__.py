@@ -29,6 +29,7 @@ from infra.store.faults import (
     StoreError,
     StoreNotFoundError,
     StoreUnavailableError,
+    StoreWriteError,
 )
 from infra.store.keys import validate_key, validate_name
 from infra.store.lease import LeaseHeldError, LeaseLostError, RunLease
@@ -48,6 +49,7 @@ __all__ = [
     "StoreError",
     "StoreNotFoundError",
     "StoreUnavailableError",
+    "StoreWriteError",
     "validate_key",
     "validate_name",
 ]

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from infra.store import keys as store_keys
-from infra.store.faults import ArtifactExistsError, RetryPolicy, check_sha256
+from infra.store.faults import ArtifactExistsError, RetryPolicy, StoreWriteError, check_sha256
 from infra.store.digest import file_digest, piecewise_sha256
 from infra.store.io import hidden_sibling, list_local_files
 from infra.store.keys import MANIFEST_NAME, ManifestEntry, validate_key, validate_name
@@ -26,12 +28,17 @@ logger = logging.getLogger(__name__)
 Backend = LocalBackend | S3Backend
 # A write's staging untouched this long belongs to a writer that died (a live one keeps writing).
 STALE_STAGING_S = 3600.0
+# Why a filesystem refuses a write; waiting does not cure any of them.
+REFUSED_WRITES = {errno.ENOSPC: "no space left", errno.EDQUOT: "over the disk quota", errno.EROFS: "read-only",
+                  errno.EACCES: "no permission", errno.EPERM: "not permitted", errno.EFBIG: "file too large"}
 
 
 def open_backend(root_uri: str, retry: RetryPolicy) -> Backend:
     """The backend for ``root_uri``: a folder (``file://...`` or a bare path) or ``s3://...``.
 
-    Raises ``ValueError`` for other schemes and for URIs that embed credentials (``key:secret@``);
+    Raises ``ValueError`` for other schemes and for URIs that embed credentials (user info,
+    ``s3://key:secret@bucket``, ``file://user@host/...``): refused, not stripped, because credentials
+    belong in the standard AWS settings and a stripped URI would quietly use whatever those hold;
     such a URI is never echoed back.
     """
     if not isinstance(root_uri, str) or not root_uri:
@@ -39,16 +46,16 @@ def open_backend(root_uri: str, retry: RetryPolicy) -> Backend:
     scheme, separator, rest = root_uri.partition("://")
     if not separator:
         return LocalBackend(root_uri)
+    authority, _, path = rest.partition("/")
+    if "@" in authority:
+        raise ValueError(
+            "the store URI must not embed credentials (user info before the bucket or host): for S3 set "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE in the environment instead"
+        )
     if scheme == "file":
         return LocalBackend(rest)
     if scheme in ("s3", "s3a"):
-        bucket, _, prefix = rest.partition("/")
-        if "@" in bucket:
-            raise ValueError(
-                "the store URI must not embed credentials; set AWS_ACCESS_KEY_ID / "
-                "AWS_SECRET_ACCESS_KEY or AWS_PROFILE instead"
-            )
-        prefix = prefix.strip("/")
+        bucket, prefix = authority, path.strip("/")
         return S3Backend(bucket, validate_key(prefix) if prefix else "", retry)
     raise ValueError(
         f"unsupported store scheme {scheme[:16]!r}: use file://<folder> or s3://<bucket>/<prefix>"
@@ -95,7 +102,8 @@ class ArtifactStore:
         this returns. Returns the ref to hand on.
         """
         validate_key(key)
-        digest, nbytes = self._backend.write_tensors(key, dict(tensors))
+        with self._refused_writes(key):
+            digest, nbytes = self._backend.write_tensors(key, dict(tensors))
         return self._new_ref(key, digest, nbytes, "tensors")
 
     def get_tensors(self, ref: ArtifactRef, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -111,7 +119,9 @@ class ArtifactStore:
         """Store ``obj`` as JSON at ``key`` (sorted keys; NaN/Infinity as Python's json writes)."""
         validate_key(key)
         data = json.dumps(obj, sort_keys=True).encode("utf-8")
-        return self._new_ref(key, self._backend.write_bytes(key, data), len(data), "json")
+        with self._refused_writes(key):
+            digest = self._backend.write_bytes(key, data)
+        return self._new_ref(key, digest, len(data), "json")
 
     def get_json(self, ref: ArtifactRef) -> Any:
         """The JSON value of ``ref``, after verifying its digest."""
@@ -127,6 +137,20 @@ class ArtifactStore:
         if not self._backend.exists(key):
             return None
         return json.loads(self._backend.read_bytes(key).decode("utf-8"))
+
+    @contextmanager
+    def _refused_writes(self, key: str) -> Iterator[None]:
+        """A filesystem's refusal (full, read-only, no permission) as a `StoreWriteError` naming the
+        object and the fix; the write has already removed what it had written."""
+        try:
+            yield
+        except OSError as error:
+            if error.errno not in REFUSED_WRITES:
+                raise
+            raise StoreWriteError(
+                f"the store refused to write {self._backend.uri_of(key)} ({REFUSED_WRITES[error.errno]}: "
+                f"{error.strerror}); nothing of it was kept. Free space or fix the folder's permissions, "
+                "or give another --store (DMD2_STORE)") from error
 
     def _new_ref(self, key: str, digest: str, nbytes: int, kind: str) -> ArtifactRef:
         ref = ArtifactRef(self._backend.uri_of(key), digest, nbytes, kind)
@@ -180,19 +204,20 @@ class ArtifactStore:
         existing = self.find_dir(key)
         if existing is not None:
             return self._same_dir_or_raise(existing, files)
-        writer = self._backend.begin_dir(key)
-        try:
-            entries = []
-            for rel_path, path in files:
-                digest, nbytes = writer.write_file(rel_path, str(path))
-                entries.append(ManifestEntry(rel_path, nbytes, digest))
-                if on_file is not None:
-                    on_file(rel_path, nbytes)
-            manifest = store_keys.encode_manifest(entries)
-            writer.commit(manifest)
-        except BaseException:
-            writer.abort()
-            raise
+        with self._refused_writes(key):
+            writer = self._backend.begin_dir(key)
+            try:
+                entries = []
+                for rel_path, path in files:
+                    digest, nbytes = writer.write_file(rel_path, str(path))
+                    entries.append(ManifestEntry(rel_path, nbytes, digest))
+                    if on_file is not None:
+                        on_file(rel_path, nbytes)
+                manifest = store_keys.encode_manifest(entries)
+                writer.commit(manifest)
+            except BaseException:
+                writer.abort()
+                raise
         ref = self._new_ref(key, piecewise_sha256(manifest), _total(entries), "dir")
         logger.debug("stored directory %s (%d files, %d bytes)", ref.uri, len(entries), ref.nbytes)
         return ref
@@ -250,6 +275,13 @@ class ArtifactStore:
             return None
         return ArtifactRef(self._backend.uri_of(key), piecewise_sha256(data), _total(entries), "dir")
 
+    def discard_dir(self, key: str) -> None:
+        """Delete the directory at ``key`` (complete or not): its manifest first, so readers stop
+        seeing it at once, then its files. Nothing there is not an error."""
+        validate_key(key)
+        self._backend.delete_tree(f"{key}/{MANIFEST_NAME}")
+        self._backend.delete_tree(key)
+
     def _same_dir_or_raise(
         self, existing: ArtifactRef, files: list[tuple[str, Path]]
     ) -> ArtifactRef:
@@ -275,6 +307,10 @@ class ArtifactStore:
         if ref is None:
             raise FileNotFoundError(f"no complete checkpoint at {self._backend.uri_of(key)}")
         return ref
+
+    def discard_checkpoint(self, run_id: str, step: int) -> None:
+        """Make the checkpoint of ``step`` invisible and delete it (a damaged one: see `discard_dir`)."""
+        self.discard_dir(store_keys.checkpoint_key(run_id, step))
 
     def list_checkpoints(self, run_id: str) -> list[int]:
         """Steps of the run's complete checkpoints (those with a manifest), ascending."""

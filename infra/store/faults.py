@@ -22,6 +22,8 @@ from typing import TypeVar
 import botocore.exceptions
 import botocore.parsers
 
+from dmd2.failures import RunError
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -71,8 +73,8 @@ _CREDENTIAL_TYPES: tuple[type[BaseException], ...] = (
 )
 
 
-class StoreError(Exception):
-    """Base class of the artifact store's own errors."""
+class StoreError(RunError):
+    """Base class of the artifact store's own errors (their messages name the URI and the fix)."""
 
 
 class IntegrityError(StoreError):
@@ -82,11 +84,19 @@ class IntegrityError(StoreError):
         self.uri = uri
         self.expected_sha256 = expected_sha256
         self.actual_sha256 = actual_sha256
+        self.detail = detail
         suffix = f" ({detail})" if detail else ""
         super().__init__(
             f"integrity check failed for {uri}: expected piece-wise sha256 {expected_sha256}, "
             f"got {actual_sha256}{suffix}"
         )
+
+    def __reduce__(self):  # it travels between processes (Ray, rank to rank) with its fields
+        return type(self), (self.uri, self.expected_sha256, self.actual_sha256, self.detail)
+
+
+class StoreWriteError(StoreError):
+    """The store refused to write (no space left, read-only, no permission): nothing was left half-written."""
 
 
 class ArtifactExistsError(StoreError, FileExistsError):
@@ -130,12 +140,13 @@ class RetryPolicy:
 
     Attempt k (k = 1 .. max_attempts-1) is followed by a sleep of
     ``min(max_delay_s, initial_delay_s * 2**(k-1)) * (1 + jitter * U[0, 1))``; the defaults wait
-    0.25 + 0.5 + 1 + 2 s (about 4-4.5 s) before giving up, enough to ride out a restarting
-    endpoint but not to hide an outage. Jitter only lengthens waits, so that many ranks retrying
+    0.25 + 0.5 + 1 + 2 + 4 + 4 + 4 s (about 16-19 s) before giving up, enough to ride out a
+    restarting endpoint or a failover but not to hide an outage. Jitter only lengthens waits, so that many
+    ranks retrying
     together do not hammer the store in lockstep.
     """
 
-    max_attempts: int = 5
+    max_attempts: int = 8
     initial_delay_s: float = 0.25
     max_delay_s: float = 4.0
     jitter: float = 0.2

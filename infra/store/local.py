@@ -202,9 +202,10 @@ class LocalBackend:
         return sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
 
     def delete_tree(self, key: str) -> None:
-        """Remove ``key`` and everything below it; a missing key is not an error."""
+        """Remove ``key`` (a file, or a folder and everything below it); a missing key is not an error."""
+        path = self.path(key)
         try:
-            shutil.rmtree(self.path(key))
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         except FileNotFoundError:
             pass
 

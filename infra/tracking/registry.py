@@ -25,6 +25,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
 from dmd2.family import ModelFamily
+from infra.tracking.credentials import redacted
 from infra.tracking.student_model import log_student_model
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 CHAMPION = "champion"
 LATEST_URI = "models:/{name}/latest"  # MLflow's own: the newest version ("latest" is no alias one may set)
 PROMOTION_TAG = "dmd2.promotion"  # "champion: ..." or "not promoted: ..."
-STUDENT_TAG = "dmd2.student"  # the export's store URI
+STUDENT_TAG = "dmd2.student"  # the export's store URI (redacted)
 MLFLOW_RUN_TAG, FLOW_RUN_TAG, FAMILY_TAG = "dmd2.mlflow_run_id", "prefect.flow_run_id", "dmd2.family"
 MODEL_ID_TAG = "dmd2.logged_model_id"  # the sqlite registry keeps no model id of its own
 RUN_VERSION_TAG = "dmd2.model_version"  # on the distill run: "<name>/<version>"
@@ -64,6 +65,7 @@ def register_student(client: MlflowClient, model_name: str, mlflow_run_id: str, 
     `family.generation_settings(config)`; `scores`: the student's last evaluation (`eval/...`), empty
     when it was skipped; `step`: the rollout the scores were logged at; `tags`: more version tags.
     """
+    student_uri = redacted(student_uri)  # a tag: shown in MLflow's UI
     version = _version_of(client, model_name, student_uri)
     if version is None:
         logged = log_student_model(client, mlflow_run_id, student_dir, family, settings, step)

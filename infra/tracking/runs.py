@@ -10,11 +10,12 @@ import os
 import time
 from pathlib import Path
 from typing import Any, Mapping
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus, RunTag
+
+from infra.tracking.credentials import move_credentials_to_environment
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +29,6 @@ MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 def tracking_uri(explicit: str | None = None) -> str:
     """`explicit`, else $MLFLOW_TRACKING_URI, else a sqlite file in the working directory."""
     return explicit or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-
-
-def redacted(uri: str) -> str:
-    """``uri`` without the user info (``https://user:token@host`` -> ``https://***@host``), fit to show."""
-    parts = urlsplit(uri)
-    if "@" not in parts.netloc:
-        return uri
-    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
 def flatten_params(nested: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -76,8 +69,12 @@ class RunTracker:
 
     @classmethod
     def start_or_resume(cls, run_id: str, experiment: str = "dmd2", uri: str | None = None) -> "RunTracker":
-        """Open the MLflow run tagged with `run_id` (creating experiment and run if needed)."""
-        client = MlflowClient(tracking_uri(uri))
+        """Open the MLflow run tagged with `run_id` (creating experiment and run if needed).
+
+        An http(s) tracking URI's user info (e.g. from $MLFLOW_TRACKING_URI) moves into MLflow's credential
+        settings first, so the client, the ranks and MLflow's own "View run at" line hold the URI without it.
+        """
+        client = MlflowClient(move_credentials_to_environment(tracking_uri(uri)))
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else client.create_experiment(experiment)
         runs = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}'", max_results=1)

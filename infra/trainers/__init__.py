@@ -9,14 +9,16 @@ through the store (`payloads`), never through the driver.
 """
 
 from infra.trainers.cluster import RankResources, ensure_ray
-from infra.trainers.group import EvalResult, TrainerGroup, TrainResult
+from infra.trainers.group import EvalResult, RankLostError, RecoverableError, TrainerGroup, TrainResult
 from infra.trainers.prepare import load_prepared, prepare_inputs
 from infra.trainers.stages import Groups, build_groups, load_groups, run_rollout_on_groups, save_groups
 
 __all__ = [
     "EvalResult",
     "Groups",
+    "RankLostError",
     "RankResources",
+    "RecoverableError",
     "TrainResult",
     "TrainerGroup",
     "build_groups",

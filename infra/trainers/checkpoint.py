@@ -26,8 +26,12 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from dmd2.failures import NonFiniteError
+from dmd2.tensors import non_finite
 from infra.store import ArtifactRef, ArtifactStore
 from infra.store import keys as store_keys
+from infra.trainers.collective import on_every_rank
+from infra.trainers.offload import local
 from infra.trainers.sharded import load_sharded, save_sharded
 
 INFO_NAME = "checkpoint.json"
@@ -86,12 +90,26 @@ def save_checkpoint(store: ArtifactStore, key: str, model: nn.Module, optimizer:
                     scheduler: torch.optim.lr_scheduler.LRScheduler, rng_states: list[dict[str, Tensor]],
                     info: dict[str, Any], objects: dist.ProcessGroup | None) -> ArtifactRef | None:
     """Every rank stores its part; rank 0 stores its directory at ``key`` last and returns its ref (None
-    on other ranks). ``objects``: the process group that carries Python objects between ranks."""
+    on other ranks). ``objects``: the process group that carries Python objects between ranks.
+
+    Nothing is written if any rank's weights or optimizer state hold a NaN or an infinity. What an earlier
+    attempt at this step left (a part, or a directory nothing links to: the attempt died before rank 0's
+    directory landed) is discarded first; a failed write fails every rank."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    own_key = key if rank == 0 else part_key(key, rank)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "checkpoint"
-        save_sharded(folder, model, optimizer)  # each rank its own shards
-        part = store.put_dir(part_key(key, rank), folder) if rank != 0 and any(folder.iterdir()) else None
+
+        def prepare() -> None:
+            problem = _non_finite_state(model, optimizer)  # the optimizer step's guard makes this rare
+            if problem:
+                raise NonFiniteError(f"the checkpoint {store.uri(key)} was not written: {problem}")
+            store.discard_dir(own_key)
+
+        on_every_rank(prepare, objects)
+        save_sharded(folder, model, optimizer)  # each rank its own shards (DCP fails every rank alike)
+        part = on_every_rank(lambda: store.put_dir(own_key, folder) if rank != 0 and any(folder.iterdir()) else None,
+                             objects)
         parts: list[Any] = [None] * world_size
         dist.all_gather_object(parts, part, group=objects)  # every part is stored before rank 0's directory
         if rank != 0:
@@ -99,6 +117,15 @@ def save_checkpoint(store: ArtifactStore, key: str, model: nn.Module, optimizer:
         info = info | {"parts": {str(r): ref.to_dict() for r, ref in enumerate(parts) if ref is not None}}
         write_rank0_files(folder, scheduler, rng_states, info)
         return store.put_dir(key, folder)
+
+
+def _non_finite_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """This rank's first weight or optimizer-state tensor holding a NaN or an infinity, described."""
+    names = {param: name for name, param in model.named_parameters()}
+    named = [(name, local(param)) for param, name in names.items()]
+    named += [(f"optimizer {key} of {names.get(param, '?')}", local(value))
+              for param, state in optimizer.state.items() for key, value in state.items() if isinstance(value, Tensor)]
+    return non_finite(named)
 
 
 def load_checkpoint(store: ArtifactStore, checkpoint: ArtifactRef, role: str, model: nn.Module,

@@ -1,23 +1,37 @@
 """Ray: join the cluster named by RAY_ADDRESS or start a local one, and place ranks on it.
 
+A local Ray this project starts keeps token authentication on: whoever can reach a Ray cluster's
+ports can run code as its user, so every client must present the cluster's token. Ray (2.59 and
+later) turns it on for a new local cluster unless RAY_AUTH_MODE says otherwise; `ensure_ray` refuses
+RAY_AUTH_MODE=disabled, and checks that the cluster came up with it. The token is Ray's own: from
+RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH when set, else ~/.ray/auth_token, which `ensure_ray` creates
+(or keeps) readable by its owner only: Ray writes it with the umask's permissions, often readable by
+all. The token is never logged; the workers of a local Ray read it as the driver does.
+
 Both trainer groups can share the same accelerators: one placement group with a bundle per rank,
 sized for every group that shares it, and rank i of each group on bundle i (fractional GPUs per rank).
 """
 
 import logging
 import os
+import secrets
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from dmd2.config import ClusterConfig
+from dmd2.config import ClusterConfig, ConfigError
 
 logger = logging.getLogger(__name__)
 
+AUTH_MODE_SETTING = "RAY_AUTH_MODE"
+TOKEN_SETTINGS = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")  # Ray reads these before its default file
+
 
 def ensure_ray(num_cpus: int | None = None, **init_kwargs) -> None:
-    """Connect to ``RAY_ADDRESS`` when it is set, else start a local Ray; no-op when connected.
+    """Connect to ``RAY_ADDRESS`` when it is set, else start a local Ray with token authentication;
+    no-op when connected.
 
     ``num_cpus`` applies to a local start only (default: the machine's cores). The project's packages
     must be importable on every node (installed there); Ray puts the driver's working directory on the
@@ -30,8 +44,40 @@ def ensure_ray(num_cpus: int | None = None, **init_kwargs) -> None:
         logger.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address, **init_kwargs)
         return
-    logger.info("starting a local Ray (RAY_ADDRESS is not set)")
+    prepare_token_auth()
+    logger.info("starting a local Ray with token authentication (RAY_ADDRESS is not set)")
     ray.init(num_cpus=num_cpus, include_dashboard=False, **init_kwargs)
+    if os.environ.get(AUTH_MODE_SETTING, "").lower() != "token":  # Ray sets it when it turns token auth on
+        ray.shutdown()
+        raise RuntimeError(f"Ray {ray.__version__} started a local cluster without token authentication; set "
+                           f"{AUTH_MODE_SETTING}=token, or join a cluster you run yourself with RAY_ADDRESS")
+
+
+def default_token_file() -> Path:
+    """Where Ray looks for its token when neither TOKEN_SETTINGS is set."""
+    return Path.home() / ".ray" / "auth_token"
+
+
+def prepare_token_auth() -> None:
+    """Refuse a local start without token authentication; make Ray's default token file private to its owner."""
+    mode = os.environ.get(AUTH_MODE_SETTING)
+    if mode is not None and mode.lower() != "token":
+        raise ConfigError(f"{AUTH_MODE_SETTING}={mode}: the local Ray this project starts keeps token authentication "
+                          f"on (without it, anyone who reaches its ports can run code as you); unset "
+                          f"{AUTH_MODE_SETTING} or set it to token, or set RAY_ADDRESS to join a cluster you run")
+    if any(os.environ.get(name) for name in TOKEN_SETTINGS):
+        return
+    path = default_token_file()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        if path.stat().st_mode & 0o077:
+            logger.warning("%s was readable by other users; made it readable by its owner only", path)
+            path.chmod(0o600)
+        return
+    with os.fdopen(descriptor, "w") as file:
+        file.write(secrets.token_hex(32))  # Ray's own format: 256 random bits in hex
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,11 @@ import logging
 from typing import Any
 
 import ray
+import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from dmd2.failures import RunError
 from dmd2.family import RunSpec
 from infra.trainers.cluster import RankResources
 from infra.trainers.hooks import resolve_hooks
@@ -24,7 +26,27 @@ from infra.trainers.configs import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EvalResult", "TrainerGroup", "TrainResult"]
+__all__ = ["EvalResult", "RankLostError", "RecoverableError", "TrainerGroup", "TrainResult"]
+
+# How long the other ranks get to report after one failed, so that a dead rank is named as the cause
+# rather than the peer whose collective it broke.
+SETTLE_S = 10.0
+# What a broken or timed-out collective looks like on a surviving rank: gloo raises a plain RuntimeError
+# (NCCL a DistBackendError, or its watchdog ends the process).
+BROKEN_COLLECTIVE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
+
+
+class RecoverableError(RunError):
+    """The run's trainer groups cannot go on, but new ones loaded from its last checkpoint can."""
+
+
+class RankLostError(RecoverableError):
+    """A rank of a group died (its process is gone), or a collective between the ranks broke."""
+
+
+def _broken_collective(error: BaseException) -> bool:
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError)
+                                                 and any(sign in str(error) for sign in BROKEN_COLLECTIVE))
 
 
 class TrainerGroup:
@@ -63,7 +85,31 @@ class TrainerGroup:
                                  f"{self.world_size} ranks (one per rank)")
         calls = [getattr(r, method).remote(*shared, **{name: values[i] for name, values in per_rank.items()})
                  for i, r in enumerate(self.ranks)]
-        return ray.get(calls)
+        try:
+            return ray.get(calls)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
+            cause = self._cause(method, calls, error)
+            if cause is error:
+                raise
+            raise cause from error
+
+    def _cause(self, method: str, calls: list[ray.ObjectRef], error: Exception) -> BaseException:
+        """What a failed call on the ranks means: a lost rank (`RankLostError`), one of the run's own
+        errors (its message is the story), or the rank's exception as Ray reports it."""
+        ray.wait(calls, num_returns=len(calls), timeout=SETTLE_S)
+        for rank, call in enumerate(calls):
+            try:
+                ray.get(call, timeout=0)
+            except ray.exceptions.RayActorError as died:
+                return RankLostError(f"{self.role} rank {rank} died during {method} "
+                                     f"({type(died).__name__}: {str(died).splitlines()[0]})")
+            except Exception:
+                continue
+        cause = getattr(error, "cause", error)
+        if _broken_collective(cause):
+            return RankLostError(f"a collective of the {self.role} group broke during {method}: "
+                                 f"{str(cause).splitlines()[0]}")
+        return cause if isinstance(cause, RunError) else error
 
     def rollout(self, run_id: str, rollout_id: int) -> list[ArtifactRef]:
         """Each rank's backward-simulated student samples (RolloutSamples)."""
@@ -86,7 +132,8 @@ class TrainerGroup:
                                  "groups of one rollout must share the world size")
         return self._each("train", run_id, rollout_id, pairs=pairs, external_data=per_rank)
 
-    def score(self, run_id: str, rollout_id: int, kept: list[ArtifactRef], pairs: list[ArtifactRef]) -> list[ArtifactRef]:
+    def score(self, run_id: str, rollout_id: int, kept: list[ArtifactRef],
+              pairs: list[ArtifactRef]) -> list[ArtifactRef]:
         """The teacher's scores of each rank's kept scoring inputs (Scores)."""
         return self._each("score", run_id, rollout_id, kept=kept, pairs=pairs)
 
@@ -137,10 +184,15 @@ class TrainerGroup:
     def node_ids(self) -> list[str]:
         return self._each("node_id")
 
-    def shutdown(self) -> None:
-        """Leave the process group and end the rank workers."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """End the rank workers; `graceful`: after they leave the process group and flush their system
+        metrics (a group that lost a rank is killed at once: its collectives are broken)."""
         try:
-            ray.get([r.shutdown.remote() for r in self.ranks], timeout=60)
+            if graceful:
+                ray.get([r.shutdown.remote() for r in self.ranks], timeout=60)
+        except Exception as error:  # ending anyway: what matters is that no rank outlives the group
+            logger.warning("%s group: a rank did not shut down cleanly (%s); killing the ranks", self.role,
+                           type(error).__name__)
         finally:
             for rank in self.ranks:
                 ray.kill(rank)

@@ -11,9 +11,10 @@ import torch
 
 from dmd2.convert import TrainPairs
 from dmd2.critic import ScoringInputs
+from dmd2.failures import NonFiniteError
 from dmd2.rollout import RolloutSamples
 from dmd2.scoring import Scores
-from dmd2.tensors import from_tensor_dict, to_device, to_tensor_dict
+from dmd2.tensors import from_tensor_dict, non_finite, to_device, to_tensor_dict
 from infra.store import ArtifactRef, ArtifactStore
 
 RECORD_TYPES: dict[str, type] = {cls.__name__: cls for cls in (RolloutSamples, TrainPairs, ScoringInputs, Scores)}
@@ -21,12 +22,20 @@ RECORD_KEY = "__record__"
 
 
 def put_record(store: ArtifactStore, run_id: str, rollout_id: int, task: str, rank: int, record: object) -> ArtifactRef:
-    """Store ``record`` at ``<run_id>/rollout-<n>/<task>/rank-<r>.safetensors``; return its ref."""
+    """Store ``record`` at ``<run_id>/rollout-<n>/<task>/rank-<r>.safetensors``; return its ref.
+
+    A record holding a NaN or an infinity is refused (`NonFiniteError`): nothing non-finite is stored,
+    and a model whose outputs overflow stops the run where they first do."""
     name = type(record).__name__
     if RECORD_TYPES.get(name) is not type(record):
         raise TypeError(f"{task}: a {name} cannot travel between ranks; return one of {sorted(RECORD_TYPES)} "
                         "(or add the dataclass to infra.trainers.payloads.RECORD_TYPES)")
     tensors = {name: tensor.cpu() for name, tensor in to_tensor_dict(record).items()}  # once per stage
+    problem = non_finite(tensors.items())
+    if problem:
+        raise NonFiniteError(f"rollout {rollout_id}, the {task} output of rank {rank} was not stored: {problem}; "
+                             "the model's outputs overflowed (lower [optim] lr / critic_lr, or raise [optim] "
+                             "warmup_steps); the run's last checkpoint stays its latest")
     tensors[RECORD_KEY] = torch.frombuffer(bytearray(name.encode()), dtype=torch.uint8)
     return store.put_tensors(store.rollout_key(run_id, rollout_id, task, rank), tensors)
 

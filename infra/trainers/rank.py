@@ -26,13 +26,16 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from dmd2.convert import samples_to_train_pairs
+from dmd2.failures import NonFiniteError
 from dmd2.family import RunSpec
 from dmd2.hooks import score
 from dmd2.model import VelocityFn
 from dmd2.plan import RolloutPlan, rollout_plan
 from dmd2.precision import Autocast
 from dmd2.rollout import rollout_shard
+from dmd2.tensors import non_finite
 from dmd2.trainer import HookContext, train_state, train_steps
+from infra.trainers.collective import gather_rows, on_every_rank, on_rank0
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.offload import HostCopy, module_tensors, optimizer_tensors, own_storage
 from infra.trainers.parallel import ddp, free_port, fsdp, full_state_dict, rank_device, unsharded_copy
@@ -135,6 +138,8 @@ class RankWorker:
         self._module = fsdp(model, train.mixed_precision == "bf16") if self.sharded else model
         # The optimizer is built over the sharded parameters under FSDP; DDP's wrapper comes with `wake`.
         self.state = train_state(self._module, self.trainer.lr, self.spec.config, family.velocity)
+        if self.world_size > 1:  # every rank's loss and grad norm: a non-finite step stops all ranks alike
+            self.state.gather = gather_rows(self._objects)
         self._wrap()
         self.teacher = None
         if self.trainer.teacher is not None:
@@ -192,10 +197,19 @@ class RankWorker:
         see the loaded records as ``ctx.external_data[<role>]``.
         """
         self.wake()
-        loaded = {role: get_record(self.store, ref, self.device) for role, ref in (external_data or {}).items()}
-        ctx = self._ctx(rollout_id, loaded)
-        metrics, output = train_steps(self.state, self.hooks, ctx, get_record(self.store, pairs, self.device),
-                                      self.trainer.steps_per_rollout)
+
+        def read_inputs():  # a rank whose inputs are unreadable must not leave the others in backward's all-reduce
+            return ({role: get_record(self.store, ref, self.device) for role, ref in (external_data or {}).items()},
+                    get_record(self.store, pairs, self.device))
+
+        loaded, own_pairs = on_every_rank(read_inputs, self._objects)
+        try:
+            metrics, output = train_steps(self.state, self.hooks, self._ctx(rollout_id, loaded), own_pairs,
+                                          self.trainer.steps_per_rollout)
+        except NonFiniteError as error:
+            raise NonFiniteError(f"rollout {rollout_id}, {self.trainer.role} group, {error}: the step was not "
+                                 "applied and nothing of it was stored; the run's last checkpoint stays its latest. "
+                                 "Lower [optim] lr / critic_lr, or raise [optim] warmup_steps") from None
         self.rollouts_trained += 1
         self.optimizer_steps += len(metrics)
         ref = None
@@ -299,8 +313,7 @@ class RankWorker:
     def evaluate(self, run_id: str, step: int, with_baselines: bool = False) -> EvalResult:
         """The family's evaluation of the current student; media go to ``<run_id>/eval/<step>/media``."""
         with self._in_use(), self._unsharded() as student:
-            result = None
-            if self.rank == 0:
+            def work() -> EvalResult:
                 evaluator = self._get_evaluator()
                 student.eval()  # sampled as users sample it
                 try:
@@ -310,17 +323,17 @@ class RankWorker:
                     student.train()
                 media = _pictures(evaluation.media)
                 media_ref = self.store.put_tensors(f"{run_id}/eval/{step}/media.safetensors", media) if media else None
-                result = EvalResult(evaluation.scores, media_ref, baselines)
-            return self._from_rank0(result)
+                return EvalResult(evaluation.scores, media_ref, baselines)
+            return on_rank0(work, self._objects)
 
     def reference_media(self, run_id: str) -> ArtifactRef | None:
         """The evaluator's pictures to show once beside the student's (e.g. the teacher's grid) -> the store."""
-        ref = None
-        if self.rank == 0:
+        def work() -> ArtifactRef | None:
             media = self._get_evaluator().reference_media()
-            if media:
-                ref = self.store.put_tensors(f"{run_id}/eval/reference/media.safetensors", _pictures(media))
-        return self._from_rank0(ref)
+            if not media:
+                return None
+            return self.store.put_tensors(f"{run_id}/eval/reference/media.safetensors", _pictures(media))
+        return on_rank0(work, self._objects)
 
     def _get_evaluator(self):
         if self._evaluator is None:  # built on first use: the reference statistics are not cheap
@@ -330,22 +343,24 @@ class RankWorker:
     def export(self, run_id: str, step: int, card: dict[str, Any]) -> ArtifactRef:
         """The family's export of the student (e.g. a diffusers directory) -> ``<run_id>/student/<step>``."""
         with self._in_use(), self._unsharded() as student:
-            ref = None
-            if self.rank == 0:
+            def work() -> ArtifactRef:
+                problem = non_finite(student.state_dict().items())
+                if problem:
+                    raise NonFiniteError(f"the student of step {step} was not exported: {problem}")
+                key = f"{run_id}/student/{step}"
+                self.store.discard_dir(key)  # left by an export cut short (a run's result names its export)
                 with tempfile.TemporaryDirectory() as tmp:
                     out = Path(tmp) / "student"
                     self.family.export(student, self.spec.config, out, card)
-                    ref = self.store.put_dir(f"{run_id}/student/{step}", out)
-            return self._from_rank0(ref)
+                    return self.store.put_dir(key, out)
+            return on_rank0(work, self._objects)
 
     def export_weights(self, key: str) -> ArtifactRef:
         """Rank 0 stores the model's state dict at ``key`` (safetensors); every rank returns the ref."""
         with self._in_use():
             state = full_state_dict(self.module)  # every rank takes part; rank 0 gets the tensors
-            ref = None
-            if self.rank == 0:
-                ref = self.store.put_tensors(key, {k: v.detach().cpu().contiguous() for k, v in state.items()})
-            return self._from_rank0(ref)
+            return on_rank0(lambda: self.store.put_tensors(key, {k: v.detach().cpu().contiguous()
+                                                                 for k, v in state.items()}), self._objects)
 
     @contextmanager
     def _unsharded(self):

@@ -38,10 +38,10 @@ class Groups:
         """The sleep ledger: the roles of the groups awake now (between stages: none; within one: one)."""
         return [group.role for group in self.in_order() if group.awake()]
 
-    def shutdown(self) -> None:
-        """End every rank and free the placement group's resources."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """End every rank and free the placement group's resources (`TrainerGroup.shutdown`)."""
         for group in self.in_order():
-            group.shutdown()
+            group.shutdown(graceful)
         if self.placement is not None:
             remove_placement_group(self.placement)
 

@@ -11,15 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-NUM_CLASSES = 10
-"""Number of digit classes, ``0..9``."""
-
-NULL_CLASS = 10
-"""Extra class index a class-conditional model reserves for classifier-free guidance's
-unconditional branch; such a model's label embedding therefore has ``NUM_CLASSES + 1`` rows."""
-
-IMAGE_SHAPE = (1, 8, 8)
-"""``(channels, height, width)`` of one digit image."""
+from dmd2.families.digits.checks import IMAGE_SHAPE, NULL_CLASS, NUM_CLASSES  # noqa: F401 (the data's shape)
 
 _PIXEL_MAX = 16.0  # sklearn's digits are 4-bit counts of set pixels in each 4x4 block
 

@@ -6,7 +6,6 @@ is a class label per sample (the null class is CFG's negative); evaluation is th
 the export is the student's `save_pretrained` directory with a model card.
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,27 +14,10 @@ import torch
 from torch import nn
 
 from dmd2.conditioning import ClassLabels
-from dmd2.config import ConfigError, DistillConfig
-from dmd2.family import Command, ModelFamily, RunSpec
-from dmd2.families.digits.data import IMAGE_SHAPE, NULL_CLASS, NUM_CLASSES
+from dmd2.config import DistillConfig
+from dmd2.family import ModelFamily, RunSpec
+from dmd2.families.digits.checks import IMAGE_SHAPE, NULL_CLASS, NUM_CLASSES
 from dmd2.model import load_pretrained
-
-BUILTIN_DIGITS = "builtin:digits"  # pretrained on sklearn's digits and cached on first use
-
-
-def digits_unet_config(path: str) -> dict[str, Any] | None:
-    """The config.json of a class-conditional digits UNet2DModel directory, else None."""
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    size = config.get("sample_size")
-    size = tuple(size) if isinstance(size, list) else (size, size)
-    shape = (config.get("in_channels"), *size)
-    if (config.get("_class_name") == "UNet2DModel" and config.get("num_class_embeds") == NUM_CLASSES + 1
-            and shape == IMAGE_SHAPE):
-        return config
-    return None
 
 
 @dataclass(frozen=True)
@@ -46,32 +28,6 @@ class DigitsFamily(ModelFamily):
                       "eval/accuracy": "class accuracy"}
     generate_example = (0, 1, 2, 3)  # class labels
     generated_shape = IMAGE_SHAPE[1:]
-
-    @classmethod
-    def claims(cls, teacher: str) -> bool:
-        return teacher == BUILTIN_DIGITS or digits_unet_config(teacher) is not None
-
-    @classmethod
-    def commands(cls) -> list[Command]:
-        from dmd2.families.digits.commands import COMMANDS
-
-        return COMMANDS
-
-    def check(self, config: DistillConfig) -> None:
-        unread = [f"[{section}] {name}" for section, name in (("data", "prompts"), ("data", "negative_prompt"),
-                                                               ("data", "resolution"), ("eval", "prompts"),
-                                                               ("eval", "clip_model"))
-                  if getattr(getattr(config, section), name)]
-        if unread:
-            raise ConfigError(f"{', '.join(unread)}: read only by text-to-image families; the digits family draws "
-                              "class labels: remove them")
-        model = config.model
-        for option, spec in (("teacher", model.teacher), ("student", model.student),
-                             ("critic_load", model.critic_load)):
-            if spec and spec != BUILTIN_DIGITS and digits_unet_config(spec) is None:
-                raise ConfigError(f"[model] {option} = {spec!r} is not a class-conditional digits UNet2DModel "
-                                  "directory (config.json with num_class_embeds = 11, 1 x 8 x 8 samples); use "
-                                  f"{BUILTIN_DIGITS!r} or a save_pretrained directory of such a model")
 
     def resolve(self, config: DistillConfig, cache_dir: Path) -> DistillConfig:
         from dmd2.families.digits.pretrain import resolve_model  # pretraining imports diffusers and sklearn

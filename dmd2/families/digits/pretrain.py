@@ -18,8 +18,8 @@ import torch
 from diffusers import UNet2DModel
 
 from dmd2.critic import flow_matching_loss, training_sigma
+from dmd2.families.digits.checks import BUILTIN_DIGITS
 from dmd2.families.digits.data import NULL_CLASS, DigitsSplits
-from dmd2.families.digits.family import BUILTIN_DIGITS
 from dmd2.families.digits.model import DIGITS_UNET_CONFIG, build_digits_unet
 from dmd2.files import atomic_dir
 from dmd2.model import DiffusersVelocity

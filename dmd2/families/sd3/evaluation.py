@@ -88,7 +88,7 @@ class SD3Evaluator:
             from diffusers import AutoencoderKL
 
             self._vae = AutoencoderKL.from_pretrained(self.config.model.teacher, subfolder="vae",
-                                                      low_cpu_mem_usage=False).eval()
+                                                      low_cpu_mem_usage=False, use_safetensors=True).eval()
         vae = self._vae
         return vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
 
@@ -99,7 +99,8 @@ class SD3Evaluator:
 
         if self._clip is None:
             path = self.config.eval.clip_model
-            self._clip = (CLIPModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path))
+            self._clip = (CLIPModel.from_pretrained(path, use_safetensors=True).eval(),
+                          AutoTokenizer.from_pretrained(path))
         model, tokenizer = self._clip
         size = model.config.vision_config.image_size
         pixels = torch.nn.functional.interpolate((images.clamp(-1, 1) + 1) / 2, size=(size, size), mode="bicubic")

@@ -20,9 +20,10 @@ from dmd2.config import ConfigError, DistillConfig
 from dmd2.draws import RolloutDraws
 from dmd2.family import ModelFamily, RunSpec
 from dmd2.families.sd3.conditioning import PromptTable, TableVelocity, negative_indices, prompt_indices
-from dmd2.families.sd3.pipeline import (check_flow_matching, check_sd3_pipeline, is_sd3_pipeline, latent_shape,
-                                        load_transformer, read_json, shift_of, vae_scale_factor)
-from dmd2.families.sd3.prompts import encoder_fingerprint, prompts_digest, read_prompts
+from dmd2.families.sd3.pipeline import (check_sd3_pipeline, is_sd3_pipeline, latent_shape, load_transformer,
+                                        read_json, shift_of, vae_scale_factor)
+from dmd2.families.sd3.prompt_file import read_prompts
+from dmd2.families.sd3.prompts import encoder_fingerprint, prompts_digest
 from dmd2.model import Cond, DiffusersVelocity, VelocityFn
 
 EVAL_PROMPTS_DEFAULT = 4  # the first prompts of [data] prompts make the grid when [eval] prompts is unset
@@ -59,39 +60,6 @@ class SD3Family(ModelFamily):
     generate_example = ("a photo of a cat",)  # prompts
     generated_shape = (-1, -1, 3)  # [data] resolution, RGB
     table: PromptTable | None = None  # bound on the ranks: the training prompts, then the eval prompts
-
-    @classmethod
-    def claims(cls, teacher: str) -> bool:
-        return is_sd3_pipeline(teacher)
-
-    def check(self, config: DistillConfig) -> None:
-        model, data = config.model, config.data
-        try:
-            if Path(model.teacher).is_dir():
-                if not (Path(model.teacher) / "model_index.json").is_file():
-                    raise ValueError(f"[model] teacher = {model.teacher!r} is neither a model nor a pipeline "
-                                     "directory (no model_index.json); give a StableDiffusion3Pipeline directory "
-                                     "(save_pretrained) or a hub id")
-                check_flow_matching(model.teacher)  # first: a DDPM pipeline is refused for what it lacks
-                check_sd3_pipeline(model.teacher)
-                if data.resolution:
-                    latent_shape(model.teacher, data.resolution)
-            elif model.teacher.count("/") != 1 or model.teacher.startswith(("/", ".")):
-                raise ValueError(f"[model] teacher = {model.teacher!r} is neither a pipeline directory nor a hub id "
-                                 "(owner/name); give the directory of a StableDiffusion3Pipeline")
-            for option, spec in (("student", model.student), ("critic_load", model.critic_load)):
-                if spec and not is_sd3_pipeline(spec) and not (Path(spec) / "transformer").is_dir():
-                    raise ValueError(f"[model] {option} = {spec!r} is not an SD3 pipeline directory; give a "
-                                     "StableDiffusion3Pipeline directory (e.g. an exported student)")
-            if not data.prompts:
-                raise ValueError("[data] prompts is required by the sd3 family: a text file (one prompt a line) or "
-                                 "a .jsonl file with a \"prompt\" field")
-            read_prompts(data.prompts)
-        except ValueError as error:
-            raise _refusal(error) from None
-        if config.eval.num_samples != 1000:
-            raise ConfigError("[eval] num_samples is read by the digits family only; the sd3 family samples "
-                              "[eval] prompts: remove it")
 
     def resolve(self, config: DistillConfig, cache_dir: Path) -> DistillConfig:
         model = config.model

@@ -27,7 +27,7 @@ class SD3Generator:
         from diffusers import StableDiffusion3Pipeline  # slow to import; only generation needs it
 
         cuda = torch.cuda.is_available()
-        pipeline = StableDiffusion3Pipeline.from_pretrained(str(student_dir),
+        pipeline = StableDiffusion3Pipeline.from_pretrained(str(student_dir), use_safetensors=True,
                                                             dtype=torch.bfloat16 if cuda else torch.float32)
         pipeline.set_progress_bar_config(disable=True)
         return cls(pipeline.to("cuda" if cuda else "cpu"), num_steps, resolution)

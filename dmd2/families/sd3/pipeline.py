@@ -9,14 +9,17 @@ teacher of many GB without loading a weight. Layout (diffusers `DiffusionPipelin
     transformer/config.json, vae/config.json, text_encoder{,_2,_3}/, tokenizer{,_2,_3}/
 """
 
+from __future__ import annotations
+
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+from dmd2.conventions import TIMESTEP_SCALE
 
-from dmd2.schedule import TIMESTEP_SCALE
+if TYPE_CHECKING:  # the checks above `load_transformer` run before torch loads (dmd2/families/sd3/checks.py)
+    import torch
+    from torch import nn
 
 PIPELINE_CLASS = "StableDiffusion3Pipeline"
 SCHEDULER_CLASS = "FlowMatchEulerDiscreteScheduler"
@@ -134,13 +137,15 @@ def latent_shape(path: str | Path, resolution: int) -> tuple[int, int, int]:
     return channels, resolution // factor, resolution // factor
 
 
-def load_transformer(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The pipeline's `SD3Transformer2DModel` (the MMDiT: teacher, student and critic all start from it), in `dtype`.
+def load_transformer(path: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
+    """The pipeline's `SD3Transformer2DModel` (the MMDiT: teacher, student and critic all start from it), in `dtype`
+    (None: float32).
 
     Built on the meta device, each weight goes from the safetensors straight into a tensor of `dtype`
     (`low_cpu_mem_usage`, as `dmd2.model.load_pretrained`): no full fp32 copy on the host to cast afterwards.
     """
+    import torch
     from diffusers import SD3Transformer2DModel  # slow to import; only model loading needs it
 
-    return SD3Transformer2DModel.from_pretrained(str(path), subfolder="transformer", dtype=dtype,
-                                                 low_cpu_mem_usage=True)
+    return SD3Transformer2DModel.from_pretrained(str(path), subfolder="transformer", dtype=dtype or torch.float32,
+                                                 low_cpu_mem_usage=True, use_safetensors=True)

@@ -1,4 +1,5 @@
-"""Prompts for an SD3 teacher: the prompt file, its encoded table, and digests that key a cached table.
+"""Prompts for an SD3 teacher: the encoded table, and digests that key a cached table (the prompt file is
+read by `prompt_file`, which imports no torch, so the CLI checks it before anything heavy loads).
 
 Encoding is done once, by the pipeline's own text encoders (two CLIPs and a T5), into a table of P
 rows; rollouts and records then carry prompt indices (dmd2/families/sd3/conditioning.py). The
@@ -16,48 +17,11 @@ import torch
 from torch import Tensor
 
 from dmd2.families.sd3.pipeline import check_sd3_pipeline
+from dmd2.families.sd3.prompt_file import read_prompts  # noqa: F401 (re-exported: the prompts as read)
 
 CHUNK_BYTES = 1 << 20  # weight files can be GBs: hash them streaming, 1 MiB at a time
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline's default T5 length
 TABLE_KEYS = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
-
-
-def _prompt_error(path: Path, problem: str) -> ValueError:
-    return ValueError(f"[data] prompts {path}: {problem}")
-
-
-def _jsonl_prompt(path: Path, number: int, line: str) -> str:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise _prompt_error(path, f"line {number} is not JSON ({error}); each line must be an object like "
-                                  '{"prompt": "a photo of a cat"}') from error
-    prompt = record.get("prompt") if isinstance(record, dict) else None
-    if not isinstance(prompt, str):
-        raise _prompt_error(path, f'line {number} has no string "prompt" field; each line must be an object '
-                                  'like {"prompt": "a photo of a cat"}')
-    return prompt
-
-
-def read_prompts(path: str | Path) -> list[str]:
-    """The prompts of a file: plain text (one prompt a line) or `.jsonl` (a `prompt` string per line).
-
-    Blank lines are skipped and surrounding whitespace stripped. An empty result is an error.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise _prompt_error(path, "does not exist; give a text file with one prompt a line, or a .jsonl file "
-                                  'with a "prompt" field per line')
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise _prompt_error(path, f"cannot be read as UTF-8 text ({error})") from error
-    is_jsonl = path.suffix.lower() == ".jsonl"
-    prompts = [_jsonl_prompt(path, n, line) if is_jsonl else line.strip()
-               for n, line in enumerate(lines, start=1) if line.strip()]
-    if not prompts:
-        raise _prompt_error(path, "holds no prompt; write one prompt a line (blank lines are skipped)")
-    return prompts
 
 
 def _file_sha256(path: Path) -> str:
@@ -147,4 +111,4 @@ def load_text_pipeline(path: str | Path, dtype: torch.dtype = torch.float32) -> 
     from diffusers import StableDiffusion3Pipeline  # slow to import; only encoding needs it
 
     return StableDiffusion3Pipeline.from_pretrained(str(path), transformer=None, vae=None, dtype=dtype,
-                                                    low_cpu_mem_usage=False)
+                                                    low_cpu_mem_usage=False, use_safetensors=True)

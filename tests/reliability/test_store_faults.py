@@ -1,0 +1,167 @@
+"""Faults of the artifact store during a run, injected for real: the S3 endpoint down for seconds (moto's
+server stopped and started again), stored bytes flipped on disk (a rollout artifact in use, the latest
+checkpoint), and a filesystem that is full or read-only. Each run either ends with the uninterrupted run's
+student, bit for bit, or fails with a clear error having left nothing half-written."""
+
+import os
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import boto3
+import pytest
+import torch
+
+from flows.distill import distill
+from infra.store import ArtifactStore, StoreWriteError
+from infra.store.io import is_staging_name
+from infra.store.keys import MANIFEST_NAME
+from tests.flows.conftest import write_recipe
+from tests.infra.conftest import BUCKET, REGION
+from tests.reliability.checks import assert_every_step_once, assert_same_student
+from tests.reliability.faults import flip_byte, when
+
+ROLLOUTS = 3
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(prefect_server, tiny_teacher_dir, fresh_ray, shared_cache, tmp_path_factory) -> dict:
+    """The tiny recipe's run with nothing going wrong, on a local store: what every faulty run must equal."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    return distill(**_common(folder, tiny_teacher_dir, shared_cache), run_id="whole",
+                   store_uri=(folder / "store").as_uri())
+
+
+def _common(tmp_path: Path, teacher: Path, cache: Path, rollouts: int = ROLLOUTS) -> dict:
+    recipe = write_recipe(tmp_path / f"tiny-{rollouts}.toml", teacher, rollouts)
+    return dict(recipe=str(recipe), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                cache_dir=str(cache), output_dir=str(tmp_path / "out"))
+
+
+def _s3_keys(prefix: str) -> list[str]:
+    s3 = boto3.client("s3", region_name=REGION, endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    return [item["Key"] for item in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])]
+
+
+@pytest.mark.slow
+def test_the_s3_endpoint_down_for_seconds_mid_run_is_ridden_out(s3_server, s3_store, uninterrupted,
+                                                                tiny_teacher_dir, shared_cache, tmp_path):
+    def outage():
+        s3_server.stop()
+        time.sleep(3.0)
+        s3_server.start()
+        return True
+
+    down = when(lambda: bool(_s3_keys("runs/outage/rollout-1/")), outage)
+    common = _common(tmp_path, tiny_teacher_dir, shared_cache)
+    result = distill(**common, run_id="outage", store_uri=s3_store)
+    down.join(timeout=30)
+    assert down.fired and down.result
+    assert_same_student(result, uninterrupted)
+    assert_every_step_once(common["tracking_uri"], result, ROLLOUTS)
+
+
+@pytest.mark.slow
+def test_a_corrupted_rollout_artifact_is_made_again_by_its_task(uninterrupted, tiny_teacher_dir, shared_cache,
+                                                                tmp_path):
+    """Train pairs flipped on disk as soon as convert wrote them: their reader finds the checksum wrong,
+    convert runs again, and the run goes on to the uninterrupted student."""
+    pairs = tmp_path / "store" / "corrupt" / "rollout-1" / "convert" / "rank-0.safetensors"
+    before = {}
+
+    def corrupt():
+        before["bytes"] = pairs.read_bytes()
+        flip_byte(pairs)
+        return True
+
+    flipper = when(pairs.is_file, corrupt)
+    common = _common(tmp_path, tiny_teacher_dir, shared_cache)
+    result = distill(**common, run_id="corrupt", store_uri=(tmp_path / "store").as_uri())
+    assert flipper.fired
+    assert_same_student(result, uninterrupted)
+    assert_every_step_once(common["tracking_uri"], result, ROLLOUTS)
+    if pairs.exists():  # kept (keep_rollouts = 2): made again, byte for byte what convert first wrote
+        assert pairs.read_bytes() == before["bytes"]
+
+
+@pytest.mark.slow
+def test_a_corrupted_latest_checkpoint_is_discarded_and_the_one_before_used(uninterrupted, tiny_teacher_dir,
+                                                                           shared_cache, tmp_path, caplog):
+    store_root = tmp_path / "store"
+    first = _common(tmp_path, tiny_teacher_dir, shared_cache, rollouts=2)
+    distill(**first, run_id="damaged", store_uri=store_root.as_uri())
+    shard = next((store_root / "damaged" / "checkpoints" / "2").glob("*.distcp"))
+    flip_byte(shard)
+
+    more = _common(tmp_path, tiny_teacher_dir, shared_cache, rollouts=ROLLOUTS)
+    with caplog.at_level("WARNING"):
+        continued = distill(**more, run_id="damaged", store_uri=store_root.as_uri())
+    assert_same_student(continued, uninterrupted)
+    assert_every_step_once(more["tracking_uri"], continued, ROLLOUTS)
+    store = ArtifactStore(store_root.as_uri())
+    assert store.list_checkpoints("damaged") == [1, 2, 3]  # 2 written again, from the replay
+    assert any("the checkpoint after 2 rollouts is damaged" in r.getMessage() for r in caplog.records)
+
+
+@contextmanager
+def _tmpfs(path: Path, size: str):
+    """A small tmpfs mounted at `path` (root and CAP_SYS_ADMIN; skips the test elsewhere)."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()}): needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _fill(folder: Path) -> None:
+    """Write until the filesystem has no byte left (unbuffered: closing must not fail on what is left)."""
+    with open(folder / "ballast", "wb", buffering=0) as ballast:
+        try:
+            while True:
+                ballast.write(b"\0" * (1 << 16))
+        except OSError:
+            pass
+
+
+def _staging_left(root: Path) -> list[Path]:
+    return [path for path in root.rglob("*") if is_staging_name(path.name)]
+
+
+@pytest.mark.slow
+def test_a_full_store_fails_the_run_clearly_and_leaves_no_partial_checkpoint(prefect_server, tiny_teacher_dir,
+                                                                             shared_cache, fresh_ray, tmp_path):
+    with _tmpfs(tmp_path / "disk", "64m") as disk:
+        store_root = disk / "store"
+        first_checkpoint = store_root / "full" / "checkpoints" / "1" / MANIFEST_NAME
+        filler = when(first_checkpoint.is_file, lambda: _fill(disk))
+        with pytest.raises(StoreWriteError) as failure:
+            distill(**_common(tmp_path, tiny_teacher_dir, shared_cache, rollouts=6), run_id="full",
+                    store_uri=store_root.as_uri())
+        filler.join(timeout=60)
+        assert filler.fired, "the store never held its first checkpoint"
+        message = str(failure.value)
+        assert "no space left" in message and str(store_root) in message and "--store" in message
+        (disk / "ballast").unlink()
+        store = ArtifactStore(store_root.as_uri())
+        latest = store.latest_checkpoint("full")
+        assert latest is not None and latest.step >= 1
+        store.get_dir(latest.ref, tmp_path / "latest")  # complete: every file there and verified
+        assert _staging_left(store_root) == []
+        assert not (store_root / "full" / "student").exists()
+
+
+def test_a_read_only_store_refuses_writes_clearly(tmp_path):
+    with _tmpfs(tmp_path / "disk", "4m") as disk:
+        store = ArtifactStore((disk / "store").as_uri())
+        store.put_tensors("run/a.safetensors", {"x": torch.ones(3)})
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        for write in (lambda: store.put_tensors("run/b.safetensors", {"x": torch.ones(3)}),
+                      lambda: store.put_json("run/c.json", {"a": 1}),
+                      lambda: store.put_dir("run/d", tmp_path)):
+            with pytest.raises(StoreWriteError, match=r"read-only.*--store"):
+                write()
+        assert sorted(p.name for p in (disk / "store" / "run").iterdir()) == ["a.safetensors"]
