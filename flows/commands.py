@@ -9,10 +9,11 @@ Ray, Prefect and MLflow addresses. This module imports nothing heavy at its top 
 import argparse
 from pathlib import Path
 
+from dmd2.config import ConfigError
 from dmd2.family import default_cache_dir, family_class
 from dmd2.report import format_table
 from flows.preflight import preflight, preflight_evaluation
-from flows.recipe import DEFAULT_RECIPE, check_run_id, run_config
+from flows.recipe import DEFAULT_RECIPE, run_config
 
 MLFLOW_HINT = "mlflow ui --backend-store-uri {uri}   # then open http://127.0.0.1:5000"
 SET_HELP = ("override a recipe option, typed and validated like the file's, e.g. --set train.rollouts=50 "
@@ -48,19 +49,17 @@ def add_distill_args(parser: argparse.ArgumentParser) -> None:
 
 def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
     """Check everything cheap, then run the distill flow; returns (its result, the family's columns)."""
-    preflight(args.recipe, args.overrides, args.rollouts, run_id=args.run_id or args.recipe.stem, store_uri=args.store,
-              output_dir=args.output_dir, cache_dir=args.cache_dir, ray_address=args.ray_address,
-              tracking_uri=args.tracking_uri)
+    checked = preflight(args.recipe, args.overrides, args.rollouts, run_id=args.run_id or args.recipe.stem,
+                        store_uri=args.store, output_dir=args.output_dir, cache_dir=args.cache_dir,
+                        ray_address=args.ray_address, tracking_uri=args.tracking_uri)
     from infra.store import ArtifactStore, LeaseHeldError, RunLease
 
-    config, family = run_config(args.recipe, args.overrides, args.rollouts)
-    run_id = check_run_id(args.run_id or args.recipe.stem)
-    try:  # before Prefect and Ray start: a bad store, or a run id in use, should cost nothing
-        from flows.distill import check_separate, default_store_uri, distill
+    _, family = run_config(args.recipe, args.overrides, args.rollouts)  # the family itself, for its columns
+    run_id = checked.run_id
+    try:  # before Prefect and Ray start: a store that does not open, or a run id in use, should cost nothing
+        from flows.distill import distill
 
-        store = ArtifactStore(args.store or default_store_uri())
-        check_separate(store, args.output_dir)
-        RunLease.check_free(store, run_id)
+        RunLease.check_free(ArtifactStore(checked.store_uri), run_id)
     except (ValueError, LeaseHeldError) as error:
         raise SystemExit(f"error: {error}") from None
     from infra.tracking import uri_to_pass_on
@@ -116,7 +115,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     family = family_class(name)()
     config = family.resolve(config, args.cache_dir)
-    student = family.load_model(str(args.student)).eval()
+    try:
+        student = family.load_model(str(args.student)).eval()
+    except (OSError, ValueError) as error:  # not a model directory of this family (or pickled weights only)
+        raise ConfigError(f"--student {args.student} does not load as a {name} model: {error}") from None
     with torch.no_grad():
         evaluation = family.evaluator(config, args.cache_dir).evaluate(family.velocity(student))
     for key, value in evaluation.scores.items():

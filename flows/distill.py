@@ -24,6 +24,7 @@ from dmd2.family import ModelFamily, default_cache_dir
 from dmd2.report import format_table
 from dmd2.progress import progress_bar
 from flows.outputs import RunResult, find_result, save_result, write_outputs
+from flows.preflight import preflight
 from flows.recipe import DEFAULT_RECIPE, check_run_id, run_config
 from flows.rollout import rollout_flow
 from flows.series import series_run_id
@@ -34,20 +35,6 @@ from tasks import runtime
 from tasks.distill import checkpoint, evaluate, export, prepare, reference_media
 
 DEFAULT_OUTPUT_DIR = "outputs"
-
-
-def default_store_uri() -> str:
-    return os.environ.get("DMD2_STORE", (Path.cwd() / "artifacts").as_uri())
-
-
-def check_separate(store: ArtifactStore, output_dir: Path) -> None:
-    """The local outputs must not lie inside a file:// store, nor the store inside the outputs."""
-    if not store.root_uri.startswith("file://"):
-        return
-    root, outputs = Path(store.root_uri[len("file://"):]).resolve(), output_dir.resolve()
-    if outputs == root or root in outputs.parents or outputs in root.parents:
-        raise ConfigError(f"--output-dir {output_dir} and --store {store.root_uri} overlap; the store keeps its own "
-                          "copy of the student, so give them separate folders (defaults: ./outputs, ./artifacts)")
 
 
 def train_metric_names(metrics: dict[str, float]) -> dict[str, float]:
@@ -89,10 +76,12 @@ def distill(
     refuse_user_info(tracking_uri, "tracking_uri")
     if more_rollouts is not None and (rollouts is not None or more_rollouts < 1):
         raise ConfigError(f"more_rollouts = {more_rollouts}: give a number >= 1, and not together with rollouts")
+    # Every input, as the CLI checks it: a deployment's run has no CLI in front of it.
+    checked = preflight(recipe, overrides, rollouts, run_id=run_id, store_uri=store_uri, output_dir=output_dir,
+                        cache_dir=cache_dir, ray_address=ray_address, tracking_uri=tracking_uri)
     config, family = run_config(recipe, overrides, rollouts)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    store, outputs = ArtifactStore(store_uri or default_store_uri()), Path(output_dir)
-    check_separate(store, outputs)
+    store, outputs = ArtifactStore(checked.store_uri), Path(output_dir)
     if run_id_template:  # the series' fingerprint needs the teacher itself
         config = family.resolve(config, cache)
         run_id = series_run_id(store, run_id_template, config)
@@ -124,7 +113,7 @@ def _tracked(config: DistillConfig, family: ModelFamily, run_id: str, store: Art
         tracker.log_params(params)
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         tracker.record_flow_run(str(flow_run.id), f"started {started}, to {target} rollouts")
-        tracker.set_tags({"dmd2.store": store.root_uri, "dmd2.recipe": recipe, "dmd2.rollouts": str(target)})
+        tracker.set_tags({"dmd2.store": redacted(store.root_uri), "dmd2.recipe": recipe, "dmd2.rollouts": str(target)})
         result, trained, prepared_now = find_result(store, run_id, target), 0, False
         reported = result is not None
         if reported:

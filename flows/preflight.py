@@ -77,7 +77,7 @@ def preflight_evaluation(recipe: str | Path, overrides: list[str] | None, studen
 
 
 def default_store_uri() -> str:
-    """The store a run uses without --store: $DMD2_STORE, else ./artifacts (as flows/distill.py's)."""
+    """The store a run uses without --store (the CLI's and the distill flow's): $DMD2_STORE, else ./artifacts."""
     return os.environ.get("DMD2_STORE", (Path.cwd() / "artifacts").as_uri())
 
 
@@ -94,6 +94,9 @@ def _setting(explicit: str | None, option: str, variable: str, default: str) -> 
 def check_store_uri(uri: str, option: str = "--store") -> None:
     """A store URI the artifact store opens: a creatable folder (file:// or a path), or s3://bucket/prefix."""
     scheme, separator, rest = uri.partition("://")
+    if separator and "@" in rest.split("/", 1)[0]:  # refused before any message could show it
+        raise ConfigError(f"{option}: the store URI must not embed credentials (user info before '@'); for S3 set "
+                          "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE instead")
     if not separator:
         folder = uri
     elif scheme == "file":
@@ -113,9 +116,6 @@ def _check_s3_location(location: str, option: str) -> None:
     """The bucket and prefix of s3://bucket/prefix, by S3's naming rules (the bucket's existence and the
     credentials are the store's to check, when it first lists the bucket)."""
     bucket, _, prefix = location.partition("/")
-    if "@" in bucket:
-        raise ConfigError(f"{option}: the store URI must not embed credentials; set AWS_ACCESS_KEY_ID / "
-                          "AWS_SECRET_ACCESS_KEY or AWS_PROFILE instead")
     if not S3_BUCKET.fullmatch(bucket):
         raise ConfigError(f"{option}: {bucket[:64]!r} is not an S3 bucket name (3-63 of [a-z0-9.-], starting and "
                           "ending with a letter or digit); give s3://<bucket>/<prefix>")

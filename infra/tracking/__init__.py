@@ -7,5 +7,6 @@ from infra.tracking.runs import DEFAULT_TRACKING_URI, RunTracker, tracking_uri
 from infra.tracking.student_model import StudentModel, log_student_model
 from infra.tracking.system import SystemMetrics
 
-__all__ = ["CHAMPION", "DEFAULT_TRACKING_URI", "LATEST_URI", "RegisteredStudent", "RunTracker", "StudentModel", "SystemMetrics",
-           "log_student_model", "redacted", "refuse_user_info", "register_student", "tracking_uri", "uri_to_pass_on"]
+__all__ = ["CHAMPION", "DEFAULT_TRACKING_URI", "LATEST_URI", "RegisteredStudent", "RunTracker", "StudentModel",
+           "SystemMetrics", "log_student_model", "redacted", "refuse_user_info", "register_student", "tracking_uri",
+           "uri_to_pass_on"]

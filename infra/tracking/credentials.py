@@ -13,7 +13,7 @@ secret travels only in the environment, never in a URI that is passed on:
 """
 
 import os
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 from dmd2.config import ConfigError
 
@@ -36,7 +36,12 @@ def redacted(uri: str) -> str:
     parts = urlsplit(uri)
     if "@" not in parts.netloc:
         return uri
-    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+    return urlunsplit(parts._replace(netloc="***@" + _host(parts)))
+
+
+def _host(parts: SplitResult) -> str:
+    """The netloc after its user info: ``host[:port]``."""
+    return parts.netloc.rsplit("@", 1)[-1]
 
 
 def refuse_user_info(uri: str | None, option: str) -> None:
@@ -62,7 +67,7 @@ def move_credentials_to_environment(uri: str) -> str:
                           "none and set MLFLOW_TRACKING_TOKEN for a bearer token")
     os.environ[USERNAME_SETTING] = unquote(parts.username)
     os.environ[PASSWORD_SETTING] = unquote(parts.password)
-    bare = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+    bare = urlunsplit(parts._replace(netloc=_host(parts)))
     if os.environ.get(URI_SETTING) == uri:
         os.environ[URI_SETTING] = bare
     return bare

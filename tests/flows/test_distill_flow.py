@@ -22,12 +22,12 @@ TASKS = ["rollout", "sleep", "convert", "critic-train", "score", "sleep", "actor
 
 
 @pytest.fixture(scope="module")
-def finished_run(prefect_server, s3_store, tiny_teacher_dir, fresh_ray, tmp_path_factory):
+def finished_run(prefect_server, s3_store, tiny_teacher_dir, fresh_ray, shared_cache, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("run")
     recipe = write_recipe(tmp / "tiny.toml", tiny_teacher_dir, ROLLOUTS, eval_interval=2)
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     result = distill(recipe=str(recipe), run_id="tiny", store_uri=s3_store, tracking_uri=uri,
-                     cache_dir=str(tmp / "cache"), output_dir=str(tmp / "out"))
+                     cache_dir=str(shared_cache), output_dir=str(tmp / "out"))
     return result, recipe, uri
 
 

@@ -40,15 +40,15 @@ def _kill_after_checkpoint(command, env, log, store: ArtifactStore, run_id: str,
 
 
 def test_a_killed_run_resumes_to_the_uninterrupted_result(prefect_server, s3_store, tiny_teacher_dir, fresh_ray,
-                                                          tmp_path):
+                                                          shared_cache, tmp_path):
     recipe = write_recipe(tmp_path / "tiny.toml", tiny_teacher_dir, ROLLOUTS)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    common = dict(recipe=str(recipe), store_uri=s3_store, tracking_uri=uri, cache_dir=str(tmp_path / "cache"),
+    common = dict(recipe=str(recipe), store_uri=s3_store, tracking_uri=uri, cache_dir=str(shared_cache),
                   output_dir=str(tmp_path / "out"))
     store = ArtifactStore(s3_store)
 
     command = [sys.executable, "-m", "flows.cli", "distill", "--recipe", str(recipe), "--run-id", "killed",
-               "--store", s3_store, "--tracking-uri", uri, "--cache-dir", str(tmp_path / "cache"),
+               "--store", s3_store, "--tracking-uri", uri, "--cache-dir", str(shared_cache),
                "--output-dir", str(tmp_path / "out")]
     env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value()}
     with open(tmp_path / "killed.log", "w") as log:

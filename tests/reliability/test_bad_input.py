@@ -304,16 +304,6 @@ def test_the_repeated_rules_agree_with_the_store_and_tracking():
     assert checks.DEFAULT_TRACKING_URI == DEFAULT_TRACKING_URI
 
 
-def test_the_default_store_is_the_flows(monkeypatch, tmp_path):
-    from flows.distill import default_store_uri
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("DMD2_STORE", raising=False)
-    assert checks.default_store_uri() == default_store_uri()
-    monkeypatch.setenv("DMD2_STORE", "s3://bucket/x")
-    assert checks.default_store_uri() == default_store_uri()
-
-
 def test_the_families_package_faces_still_resolve():
     from dmd2.families import digits, sd3
 

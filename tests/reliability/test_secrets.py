@@ -8,26 +8,20 @@ Prefect's test server, a local Ray started by the project.
 
 import asyncio
 import base64
-import http.client
 import json
 import os
 import pickle
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import boto3
 import mlflow
 import pytest
 import ray
-import requests
 import torch
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
@@ -46,8 +40,7 @@ from infra.tracking.registry import MODEL_ID_TAG
 from infra.trainers.cluster import default_token_file, ensure_ray, prepare_token_auth
 from tests.flows.conftest import write_recipe
 from tests.infra.conftest import BUCKET, REGION
-
-MLFLOW_SETTINGS = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+from tests.reliability.mlflow_gate import MLFLOW_SETTINGS, BasicAuthGate, mlflow_server  # noqa: F401 (a fixture)
 
 
 def restore_after_test(monkeypatch, *names: str) -> None:
@@ -57,113 +50,7 @@ def restore_after_test(monkeypatch, *names: str) -> None:
         monkeypatch.delenv(name)  # ... and starts the test without one
 
 
-# -- the servers: MLflow behind a basic-auth gate ----------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """`mlflow server` on sqlite in its own process; it is slow to start, so it starts first and the test
-    waits for it (`wait_ready`) only when it needs it."""
-    folder = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    env = {name: value for name, value in os.environ.items() if name not in MLFLOW_SETTINGS}
-    env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no job runner and its consumer processes
-    with open(folder / "server.log", "wb") as log:
-        process = subprocess.Popen(
-            [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
-             "--workers", "1", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
-             "--artifacts-destination", str(folder / "artifacts")],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def wait_ready(timeout_s: float = 300.0) -> int:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert process.poll() is None, (folder / "server.log").read_text()[-3000:]
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
-                    return port
-            except requests.RequestException:  # not listening yet, or still starting up
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"mlflow server did not start in {timeout_s:.0f}s")
-
-    yield wait_ready
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-
-
-class BasicAuthGate:
-    """An HTTP proxy to `upstream_port` that passes only requests carrying `user:password` as basic auth;
-    it counts those it passed and lists the paths of those it refused."""
-
-    def __init__(self, upstream_port: int, user: str, password: str):
-        expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-        self.passed, self.refused = 0, []
-        gate, lock = self, threading.Lock()
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def read_body(self) -> bytes:
-                if self.headers.get("Transfer-Encoding", "").lower() != "chunked":
-                    return self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                body = b""  # requests sends an empty file chunked
-                while size := int(self.rfile.readline().split(b";")[0], 16):
-                    body += self.rfile.read(size)
-                    self.rfile.readline()
-                self.rfile.readline()
-                return body
-
-            def forward(self):
-                body = self.read_body()
-                if self.headers.get("Authorization") != expected:
-                    with lock:
-                        gate.refused.append(self.path)
-                    self.send_response(401)
-                    self.send_header("WWW-Authenticate", 'Basic realm="mlflow"')
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                with lock:
-                    gate.passed += 1
-                skip = {"authorization", "host", "connection", "content-length", "transfer-encoding"}
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
-                upstream = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=120)
-                upstream.request(self.command, self.path, body=body, headers=headers)
-                response = upstream.getresponse()
-                data = response.read()
-                self.send_response(response.status)
-                for key, value in response.getheaders():
-                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                upstream.close()
-
-            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = forward
-
-            def log_message(self, *args):
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self._server.server_address[1]
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-
-
-def moto_credentials(s3_server) -> tuple[str, str]:
+def moto_credentials() -> tuple[str, str]:
     """A fresh access key of an IAM user allowed all of S3; moto makes up its secret."""
     iam = boto3.client("iam", region_name=REGION)
     user = f"dmd2-{uuid.uuid4().hex[:8]}"
@@ -224,11 +111,12 @@ def store_records(s3_store: str, outputs: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow  # a tiny distill through the CLI, and an MLflow server to start: ~1-2 minutes
-def test_planted_secrets_appear_in_nothing_the_run_records(mlflow_server, prefect_server, s3_server, s3_store,
-                                                           tiny_teacher_dir, fresh_ray, tmp_path, monkeypatch, capfd):
+def test_planted_secrets_appear_in_nothing_the_run_records(
+        mlflow_server, prefect_server, s3_server, s3_store,  # noqa: F811 (mlflow_server: the imported fixture)
+        tiny_teacher_dir, fresh_ray, tmp_path, monkeypatch, capfd):
     restore_after_test(monkeypatch, *MLFLOW_SETTINGS)
     monkeypatch.chdir(tmp_path)
-    key_id, aws_secret = moto_credentials(s3_server)
+    key_id, aws_secret = moto_credentials()
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_secret)
     token = f"tok-{uuid.uuid4().hex}"
@@ -364,8 +252,9 @@ def test_an_sd3_pipeline_with_pickled_weights_is_refused(tmp_path):
     from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_sd3_pipeline
 
     pipeline = build_tiny_sd3_pipeline(tmp_path / "pipeline")
-    for part, weights, pickled in [("transformer", "diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin"),
-                                   ("text_encoder", "model.safetensors", "pytorch_model.bin")]:
+    for part, weights, pickled in [
+            ("transformer", "diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin"),
+            ("text_encoder", "model.safetensors", "pytorch_model.bin")]:
         broken = Path(shutil.copytree(pipeline, tmp_path / f"pickled-{part}"))
         torch.save(load_file(broken / part / weights), broken / part / pickled)
         (broken / part / weights).unlink()
