@@ -294,7 +294,7 @@ class RankWorker:
             key = checkpoint_key(run_id, self.trainer.checkpoint_dir, step)
             ref = save_checkpoint(self.store, key, self.module, self.state.optimizer, self.state.scheduler,
                                   rng_states, info, self._objects)
-            return self._from_rank0(ref)
+            return on_rank0(lambda: ref, self._objects)  # rank 0's ref, on every rank
 
     def load(self, checkpoint: ArtifactRef) -> dict[str, ArtifactRef]:
         """Load a checkpoint of this role in place (every rank, at any world size and either layout);
@@ -388,11 +388,6 @@ class RankWorker:
                 tensor = tensors[name].detach().cpu().clone().reshape(-1)
                 digest.update(name.encode() + tensor.view(torch.uint8).numpy().tobytes())
             return digest.hexdigest()
-
-    def _from_rank0(self, value: Any) -> Any:
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self._objects)
-        return box[0]
 
     def shutdown(self) -> None:
         if self._system_metrics is not None:
