@@ -35,7 +35,7 @@ def put_record(store: ArtifactStore, run_id: str, rollout_id: int, task: str, ra
     if problem:
         raise NonFiniteError(f"rollout {rollout_id}, the {task} output of rank {rank} was not stored: {problem}; "
                              "the model's outputs overflowed (lower [optim] lr / critic_lr, or raise [optim] "
-                             "warmup_steps); the run's last checkpoint stays its latest")
+                             "warmup_steps); the run's last checkpoint (if any) stays its latest")
     tensors[RECORD_KEY] = torch.frombuffer(bytearray(name.encode()), dtype=torch.uint8)
     return store.put_tensors(store.rollout_key(run_id, rollout_id, task, rank), tensors)
 

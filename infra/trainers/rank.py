@@ -208,8 +208,8 @@ class RankWorker:
                                           self.trainer.steps_per_rollout)
         except NonFiniteError as error:
             raise NonFiniteError(f"rollout {rollout_id}, {self.trainer.role} group, {error}: the step was not "
-                                 "applied and nothing of it was stored; the run's last checkpoint stays its latest. "
-                                 "Lower [optim] lr / critic_lr, or raise [optim] warmup_steps") from None
+                                 "applied and nothing of it was stored; the run's last checkpoint (if any) stays its "
+                                 "latest. Lower [optim] lr / critic_lr, or raise [optim] warmup_steps") from None
         self.rollouts_trained += 1
         self.optimizer_steps += len(metrics)
         ref = None
