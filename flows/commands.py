@@ -13,7 +13,7 @@ from dmd2.config import ConfigError
 from dmd2.family import default_cache_dir, family_class
 from dmd2.report import format_table
 from flows.preflight import preflight, preflight_evaluation
-from flows.recipe import DEFAULT_RECIPE, run_config
+from flows.recipe import DEFAULT_RECIPE
 
 MLFLOW_HINT = "mlflow ui --backend-store-uri {uri}   # then open http://127.0.0.1:5000"
 SET_HELP = ("override a recipe option, typed and validated like the file's, e.g. --set train.rollouts=50 "
@@ -54,7 +54,7 @@ def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
                         ray_address=args.ray_address, tracking_uri=args.tracking_uri)
     from infra.store import ArtifactStore, LeaseHeldError, RunLease
 
-    _, family = run_config(args.recipe, args.overrides, args.rollouts)  # the family itself, for its columns
+    family = family_class(checked.family)()  # the family itself, for its columns
     run_id = checked.run_id
     try:  # before Prefect and Ray start: a store that does not open, or a run id in use, should cost nothing
         from flows.distill import distill

@@ -20,12 +20,12 @@ from prefect.runtime import flow_run
 
 from dmd2.config import ConfigError, DistillConfig, config_to_dict
 from dmd2.failures import RunError
-from dmd2.family import ModelFamily, default_cache_dir
+from dmd2.family import ModelFamily, default_cache_dir, family_class
 from dmd2.report import format_table
 from dmd2.progress import progress_bar
 from flows.outputs import RunResult, find_result, save_result, write_outputs
 from flows.preflight import preflight
-from flows.recipe import DEFAULT_RECIPE, check_run_id, run_config
+from flows.recipe import DEFAULT_RECIPE, check_run_id
 from flows.rollout import rollout_flow
 from flows.series import series_run_id
 from infra.store import ArtifactStore, IntegrityError, RunLease
@@ -79,7 +79,7 @@ def distill(
     # Every input, as the CLI checks it: a deployment's run has no CLI in front of it.
     checked = preflight(recipe, overrides, rollouts, run_id=run_id, store_uri=store_uri, output_dir=output_dir,
                         cache_dir=cache_dir, ray_address=ray_address, tracking_uri=tracking_uri)
-    config, family = run_config(recipe, overrides, rollouts)
+    config, family = checked.config, family_class(checked.family)()
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     store, outputs = ArtifactStore(checked.store_uri), Path(output_dir)
     if run_id_template:  # the series' fingerprint needs the teacher itself
