@@ -20,6 +20,9 @@ from pathlib import Path
 # task run at INFO: the run prints its own progress. Both stay settable from the environment.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+# Without PREFECT_API_URL the run starts its own Prefect server, which in a fresh PREFECT_HOME first
+# migrates its database: 10-30 s on a busy two-core machine, past Prefect's default 20 s wait.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 from dmd2.config import ConfigError  # noqa: E402
 from dmd2.failures import RunError  # noqa: E402
