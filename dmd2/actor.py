@@ -5,16 +5,21 @@ difference of the fake and real scores; tianweiy/DMD2 (`compute_distribution_mat
 in x0 space and normalises it per sample:
     g = (x0_fake - x0_real) / mean_{C,H,W} |x0_hat - x0_real|
     loss = 0.5 * mse(x0_hat, stopgrad(x0_hat - g))       so that d loss / d x0_hat = g / numel.
+With the GAN (`[dmd2] gan_weight` w), plus w L_G through the critic side's gradient (`dmd2.gan.generator_surrogate`).
 """
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from dmd2.convert import TrainPairs
+from dmd2.gan import generator_surrogate
 from dmd2.model import VelocityFn
 from dmd2.schedule import x0_from_velocity
 from dmd2.scoring import Scores
+from dmd2.tensors import select_rows
 
 
 def dmd_gradient(x0_hat: Tensor, x0_real: Tensor, x0_fake: Tensor) -> tuple[Tensor, Tensor]:
@@ -37,15 +42,17 @@ def align_scores(pairs: TrainPairs, scores: Scores) -> Scores:
             f"{len(order)} scores for {len(pairs)} samples; the actor trains on exactly the critic's last step"
         )
     rows = torch.tensor([order[int(i)] for i in pairs.sample_index])
-    return Scores(pairs.sample_index, scores.sigma[rows], scores.x0_real[rows], scores.x0_fake[rows])
+    return dataclasses.replace(select_rows(scores, rows), sample_index=pairs.sample_index)
 
 
-def actor_loss(student: VelocityFn, pairs: TrainPairs, scores: Scores) -> tuple[Tensor, dict[str, float]]:
-    """DMD loss on the scored samples; recomputes x0_hat = x_i - sigma_i G(x_i, sigma_i, cond) with grad.
+def actor_loss(student: VelocityFn, pairs: TrainPairs, scores: Scores,
+               gan_weight: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+    """DMD loss on the scored samples, plus `gan_weight` L_G when > 0 (the scores then carry the critic side's
+    gan_grad); recomputes x0_hat = x_i - sigma_i G(x_i, sigma_i, cond) with grad.
 
-    Returns (scalar loss, diagnostics): the mean |g|, the mean normaliser, and the max |x0_hat - rollout
+    Returns (scalar loss, diagnostics): the mean |g|, the mean normaliser, the max |x0_hat - rollout
     x0_hat| (zero up to numerics while the weights are the rollout's: a larger value means the actor
-    trains on a different model or batch than it rolled out).
+    trains on a different model or batch than it rolled out), and with the GAN, L_G as `gan_g_loss`.
     """
     scores = align_scores(pairs, scores)
     x0_hat = x0_from_velocity(pairs.latent, pairs.sigma, student(pairs.latent, pairs.sigma, pairs.cond))
@@ -57,4 +64,11 @@ def actor_loss(student: VelocityFn, pairs: TrainPairs, scores: Scores) -> tuple[
         "x0_recompute_max_diff": (x0_hat.detach() - pairs.x0).abs().max().item(),
         "score_sigma": scores.sigma.mean().item(),
     }
+    if gan_weight > 0:
+        if scores.gan_grad is None:
+            raise ValueError("[dmd2] gan_weight > 0, but the critic's scores carry no GAN gradient: the critic "
+                             "group scores without gan_weight (a different recipe?)")
+        g_loss = generator_surrogate(x0_hat, scores.gan_grad, scores.gan_logit)
+        loss = loss + gan_weight * g_loss
+        metrics["gan_g_loss"] = g_loss.item()
     return loss, metrics

@@ -49,10 +49,25 @@ class StudentConfig:
     shift: float | None = option(None, "Time shift of the student's grid; default: the teacher's (SD3: its "
                                        "scheduler's `shift`; digits: 1, none).")
     guidance_scale: float = option(1.0, "CFG of the student's rollouts; DMD2 students are unguided (1).")
+    ema_decay: float = option(0.0, "Decay of an exponential moving average of the student's weights, updated "
+                                   "after each of its optimizer steps (e.g. 0.999: about the last 1000 steps); "
+                                   "evaluation and export then use the average. 0: off, the raw weights.")
+    lora_rank: int = option(0, "Rank r of LoRA adapters (Hu et al. 2021) on the family's attention and conv "
+                               "layers: only they train, over the frozen weights of the student's init (the "
+                               "teacher's); checkpoints hold the adapters only and the export adds them alone "
+                               "(`<student>/lora/`) beside the merged model. 0: full fine-tuning.")
+    lora_alpha: int | None = option(None, "LoRA alpha: the adapters' output is scaled by alpha / r; default: "
+                                          "`lora_rank` (scale 1).")
+    critic_lora: bool = option(False, "The DMD2 critic trains LoRA adapters of the same rank too (over its "
+                                      "init's weights); false: the critic is fully fine-tuned.")
 
     @property
     def grid_shift(self) -> float:
         return 1.0 if self.shift is None else self.shift
+
+    @property
+    def adapter_alpha(self) -> int:
+        return self.lora_rank if self.lora_alpha is None else self.lora_alpha
 
 
 @dataclass(frozen=True)
@@ -86,6 +101,17 @@ class DMD2Config:
     critic_sigma_sampling: str = option(
         "uniform", "The critic's training sigmas before the shift: `uniform`, or `logit_normal` (SD3's own "
         "training distribution, Esser et al. 2024, sigmoid of a standard normal)."
+    )
+    gan_weight: float = option(
+        0.0, "Weight of the student's GAN loss L_G = mean softplus(-D(x_fake)) (DMD2 §4.3: D is a small head on "
+        "the critic's middle features; its gradient is formed on the critic side at scoring); 0: off. Needs "
+        "critic_gan_weight > 0. tianweiy/DMD2's generator weights: ImageNet 3e-3, SDXL 5e-3."
+    )
+    critic_gan_weight: float = option(
+        0.0, "Weight of the discriminator loss L_D = mean softplus(-D(x_real)) + mean softplus(D(x_fake)) in "
+        "every critic step (real samples from the family, noised like the student's; the head trains with the "
+        "critic, at its lr, and is checkpointed with it); 0: off, no head. tianweiy/DMD2's: 1e-2 (ImageNet "
+        "and SDXL)."
     )
 
     @property
@@ -139,12 +165,16 @@ PARALLELISMS = ("ddp", "fsdp")
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where a text-to-image family's prompts come from (the digits family draws class labels instead)."""
+    """Where a text-to-image family's prompts and real images come from (digits draws class labels instead)."""
 
     prompts: str = option("", "Training prompts: a text file (one a line) or JSONL with a `prompt` field.")
     negative_prompt: str = option("", "The negative prompt of the teacher's CFG (default: the empty prompt).")
     resolution: int = option(0, "Image side in pixels; 0: the pipeline's default (the transformer's sample "
                                 "size times the VAE's scale factor).")
+    images: str = option("", "SD3: a folder of real images (png, jpg, jpeg, webp) for the GAN's discriminator, "
+                             "required by `[dmd2] critic_gan_weight` > 0; a same-named `.txt` beside an image is "
+                             "its caption (else the empty prompt). Center-cropped, resized to `resolution` and "
+                             "encoded once by the teacher's VAE.")
 
 
 @dataclass(frozen=True)
@@ -322,6 +352,9 @@ def _validate(config: DistillConfig) -> None:
     _check(train.loss_type in LOSS_TYPES, f"[train] loss_type must be one of {LOSS_TYPES}, got {train.loss_type!r}")
     _check(student.num_steps >= 1, f"[student] num_steps must be >= 1, got {student.num_steps}")
     _check(student.shift is None or student.shift > 0, f"[student] shift must be > 0, got {student.shift}")
+    _check(0 <= student.ema_decay < 1,
+           f"[student] ema_decay must be in [0, 1) (0 turns the EMA off), got {student.ema_decay}")
+    _validate_lora(config)
     _check(optim.lr > 0, f"[optim] lr must be > 0, got {optim.lr}")
     _check(optim.critic_lr is None or optim.critic_lr > 0, f"[optim] critic_lr must be > 0, got {optim.critic_lr}")
     _check(len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas),
@@ -359,6 +392,19 @@ def _validate(config: DistillConfig) -> None:
                "[model] critic_load is read only under DMD2 (there is no critic): remove it")
 
 
+def _validate_lora(config: DistillConfig) -> None:
+    student = config.student
+    _check(student.lora_rank >= 0, f"[student] lora_rank must be >= 0 (0: full fine-tuning), got {student.lora_rank}")
+    if student.lora_rank == 0:
+        _check(student.lora_alpha is None and not student.critic_lora,
+               "[student] lora_alpha and critic_lora are read only with lora_rank > 0: set lora_rank or remove them")
+        return
+    _check(student.lora_alpha is None or student.lora_alpha > 0,
+           f"[student] lora_alpha must be > 0 (default: lora_rank), got {student.lora_alpha}")
+    _check(not student.critic_lora or config.train.loss_type == "dmd2",
+           "[student] critic_lora is read only under DMD2 (there is no critic): remove it")
+
+
 def _validate_dmd2(config: DistillConfig) -> None:
     dmd2, train = config.dmd2, config.train
     _check(dmd2 is not None, "[train] loss_type = 'dmd2' needs a [dmd2] section (an empty one takes the defaults)")
@@ -386,3 +432,9 @@ def _validate_dmd2(config: DistillConfig) -> None:
     _check(dmd2.sigma_shift is None or dmd2.sigma_shift > 0, f"[dmd2] sigma_shift must be > 0, got {dmd2.sigma_shift}")
     _check(dmd2.critic_sigma_sampling in SIGMA_SAMPLINGS,
            f"[dmd2] critic_sigma_sampling must be one of {SIGMA_SAMPLINGS}, got {dmd2.critic_sigma_sampling!r}")
+    _check(dmd2.gan_weight >= 0, f"[dmd2] gan_weight must be >= 0 (0: no GAN loss), got {dmd2.gan_weight}")
+    _check(dmd2.critic_gan_weight >= 0,
+           f"[dmd2] critic_gan_weight must be >= 0 (0: no discriminator), got {dmd2.critic_gan_weight}")
+    _check(dmd2.gan_weight == 0 or dmd2.critic_gan_weight > 0,
+           f"[dmd2] gan_weight = {dmd2.gan_weight} needs a trained discriminator: set critic_gan_weight > 0 "
+           "(e.g. 1e-2), or gan_weight = 0")

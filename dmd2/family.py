@@ -15,7 +15,7 @@ Where each part runs:
                                 `prepared_key` (cheap: read configs and files, never weights)
     a Ray worker, once per run  `prepare` (e.g. encode the prompts); the result is stored under
                                 `prepared_key` and reused by later runs with the same inputs
-    a rank of a trainer group   `bind` (the prepared inputs), `load_model`, `velocity`,
+    a rank of a trainer group   `bind` (the prepared inputs), `real_source`, `load_model`, `velocity`,
                                 `evaluator` (rank 0), `export` (rank 0)
     where an export is served   `student_generator`, `generate` (its pictures: what the student's MLflow
                                 model, infra/tracking/student_model.py, calls)
@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # importing this module stays light: the registry serves the 
     from torch import Tensor, nn
 
     from dmd2.conditioning import CondSource
+    from dmd2.gan import GanTap, RealSource
     from dmd2.model import VelocityFn
 
 
@@ -113,6 +114,9 @@ class RunSpec:
     cache_dir: str
     # Where the family's prepared inputs are (a store reference, opaque here); None when it needs none.
     prepared: Any = None
+    # The GAN's real samples (`[dmd2] critic_gan_weight`) when the driver makes them (digits: a data set in
+    # memory); a family that prepares them (SD3: encoded images) gives them after `bind`, see `real_source`.
+    real: RealSource | None = None
 
 
 class ModelFamily:
@@ -132,6 +136,9 @@ class ModelFamily:
     generated_shape: ClassVar[tuple[int, ...]] = ()
     # Score keys -> column headings of the eval table the CLI prints.
     report_columns: ClassVar[dict[str, str]] = {}
+    # The layers `[student] lora_rank` adapts (peft `target_modules`: module names or name suffixes); empty:
+    # the family trains no LoRA (dmd2/lora.py).
+    lora_targets: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def claims(cls, teacher: str) -> bool:
@@ -174,6 +181,15 @@ class ModelFamily:
         `dtype`: the dtype the rank trains or holds the model in (e.g. the frozen teacher in bf16 under
         `[train] mixed_precision = "bf16"`), loaded straight into it; None is the family's default (fp32)."""
         raise NotImplementedError
+
+    def real_source(self, spec: RunSpec) -> RealSource | None:
+        """The GAN's real samples on a rank, asked of the bound family (`bind`): the driver's `spec.real` unless
+        the family keeps them in its prepared inputs. None: the run has none."""
+        return spec.real
+
+    def gan_tap(self, model: nn.Module) -> GanTap:
+        """Where the critic's GAN head reads its features (`[dmd2] critic_gan_weight`, dmd2/gan.py)."""
+        raise NotImplementedError(f"the {self.name} family has no GAN head: set [dmd2] critic_gan_weight = 0")
 
     def velocity(self, model: nn.Module) -> VelocityFn:
         """The model's velocity call for `(x_s, sigma, cond)`."""

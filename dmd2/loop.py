@@ -13,7 +13,9 @@ from torch import nn
 from dmd2.conditioning import CondSource
 from dmd2.config import DistillConfig
 from dmd2.convert import samples_to_train_pairs
+from dmd2.gan import GanTap, RealSource, attach_gan_head, tapped
 from dmd2.hooks import ACTOR_HOOKS, CRITIC_HOOKS, score, summarize_critic
+from dmd2.lora import with_role_adapters
 from dmd2.model import DiffusersVelocity, VelocityFn
 from dmd2.plan import RolloutPlan, rollout_plan
 from dmd2.rollout import rollout_shard
@@ -22,14 +24,15 @@ from dmd2.trainer import HookContext, TrainState, train_state, train_steps
 
 def run_rollout(
     plan: RolloutPlan, config: DistillConfig, student: TrainState, critic: TrainState,
-    teacher: VelocityFn, conds: CondSource,
+    teacher: VelocityFn, conds: CondSource, real: RealSource | None = None,
 ) -> dict[str, float]:
-    """One DMD2 rollout on a single rank (world size 1); returns actor and critic metrics."""
-    ctx = HookContext(plan, config.dmd2, rank=0)
+    """One DMD2 rollout on a single rank (world size 1); returns actor and critic metrics. `real`: the GAN's
+    real samples (with `[dmd2] critic_gan_weight`; the critic then carries its head, see `from_models`)."""
+    ctx = HookContext(plan, config.dmd2, rank=0, real=real)
     samples = rollout_shard(student.velocity, conds, plan, rank=0)
     pairs = samples_to_train_pairs(samples, plan.num_steps)
     critic_metrics, kept = train_steps(critic, CRITIC_HOOKS, ctx, pairs, plan.critic_steps)
-    scores = score(teacher, kept, pairs, ctx)
+    scores = score(teacher, kept, pairs, ctx, critic.velocity)
     actor_ctx = HookContext(plan, config.dmd2, rank=0, external_data={"critic": scores})
     actor_metrics, _ = train_steps(student, ACTOR_HOOKS, actor_ctx, pairs, num_steps=1)
     return actor_metrics[0] | summarize_critic(critic_metrics)
@@ -37,7 +40,7 @@ def run_rollout(
 
 @dataclass
 class InProcessDistiller:
-    """Student, critic and frozen teacher in this process."""
+    """Student, critic and frozen teacher in this process (`student.ema`: its EMA, with `[student] ema_decay`)."""
 
     config: DistillConfig
     student: TrainState
@@ -45,25 +48,37 @@ class InProcessDistiller:
     teacher: VelocityFn
     conds: CondSource
     sample_shape: tuple[int, ...]
+    real: RealSource | None = None
 
     @classmethod
     def from_models(
         cls, config: DistillConfig, teacher: nn.Module, conds: CondSource, sample_shape: tuple[int, ...],
         student: nn.Module | None = None, critic: nn.Module | None = None,
-        velocity: Callable[[nn.Module], VelocityFn] = DiffusersVelocity,
+        velocity: Callable[[nn.Module], VelocityFn] = DiffusersVelocity, lora_targets: tuple[str, ...] = (),
+        real: RealSource | None = None, gan_tap: Callable[[nn.Module], GanTap] | None = None,
     ) -> "InProcessDistiller":
-        """Student and critic start as copies of the teacher unless given; `velocity` is the family's call."""
+        """Student and critic start as copies of the teacher unless given; `velocity` is the family's call;
+        with `[student] lora_rank` they train adapters on the family's `lora_targets` (dmd2/lora.py); with
+        `[dmd2] critic_gan_weight` the critic gets a GAN head where the family's `gan_tap` says (dmd2/gan.py),
+        trained on `real` samples."""
         if config.train.world_size != 1:
             raise ValueError("the in-process loop runs one rank: set [train] world_size = 1 or use the distill flow")
         teacher = teacher.eval().requires_grad_(False)
         student = student if student is not None else copy.deepcopy(teacher).requires_grad_(True)
         critic = critic if critic is not None else copy.deepcopy(teacher).requires_grad_(True)
-        return cls(config, train_state(student, config.optim.lr, config, velocity),
-                   train_state(critic, config.critic_lr, config, velocity), velocity(teacher), conds, tuple(sample_shape))
+        student = with_role_adapters(student, config, "actor", lora_targets)
+        critic = with_role_adapters(critic, config, "critic", lora_targets)
+        if config.dmd2.critic_gan_weight > 0:
+            if real is None or gan_tap is None:
+                raise ValueError("[dmd2] critic_gan_weight > 0: pass the family's real samples and gan_tap")
+            critic = attach_gan_head(critic, gan_tap(critic), config.train.seed)
+        return cls(config, train_state(student, config.optim.lr, config, velocity, config.student.ema_decay),
+                   train_state(critic, config.critic_lr, config, lambda model: tapped(velocity(model), model)),
+                   velocity(teacher), conds, tuple(sample_shape), real)
 
     def run(self, rollouts: range, on_rollout: Callable[[int, dict[str, float]], None] | None = None) -> None:
         for rollout_id in rollouts:
             plan = rollout_plan(self.config, rollout_id, self.sample_shape)
-            metrics = run_rollout(plan, self.config, self.student, self.critic, self.teacher, self.conds)
+            metrics = run_rollout(plan, self.config, self.student, self.critic, self.teacher, self.conds, self.real)
             if on_rollout:
                 on_rollout(rollout_id, metrics)

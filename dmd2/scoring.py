@@ -17,12 +17,18 @@ from dmd2.schedule import add_noise, x0_from_velocity
 
 @dataclass(frozen=True)
 class Scores:
-    """Real and fake x0 predictions at the kept x_s, keyed by sample_index [B]; sigma [B] is the score sigma."""
+    """Real and fake x0 predictions at the kept x_s, keyed by sample_index [B]; sigma [B] is the score sigma.
+
+    With the GAN (`[dmd2] gan_weight`): gan_grad [B, ...], the generator's d softplus(-D(x_s)) / d x0_hat per
+    sample, and gan_logit [B], the head's logits at x_s (`dmd2.gan.generator_gradient`); else None.
+    """
 
     sample_index: Tensor
     sigma: Tensor
     x0_real: Tensor
     x0_fake: Tensor
+    gan_grad: Tensor | None = None
+    gan_logit: Tensor | None = None
 
 
 @torch.no_grad()

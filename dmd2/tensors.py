@@ -1,7 +1,8 @@
 """Flat tensor dicts for the records the stages hand each other (what safetensors can store).
 
 A record is a frozen dataclass whose fields are tensors or dicts of tensors (conditionings); a dict
-field `cond` with key `class_labels` is stored as `cond.class_labels`.
+field `cond` with key `class_labels` is stored as `cond.class_labels`. An optional tensor field (default
+None) that is None is not stored, and comes back None.
 """
 
 import dataclasses
@@ -18,6 +19,8 @@ def to_tensor_dict(record: object) -> dict[str, Tensor]:
     flat: dict[str, Tensor] = {}
     for field in dataclasses.fields(record):
         value = getattr(record, field.name)
+        if value is None:
+            continue
         if isinstance(value, dict):
             flat.update({f"{field.name}.{key}": tensor.contiguous() for key, tensor in value.items()})
         else:
@@ -31,6 +34,8 @@ def from_tensor_dict(record_type: type[Record], flat: dict[str, Tensor]) -> Reco
     for field in dataclasses.fields(record_type):
         if field.name in flat:
             values[field.name] = flat[field.name]
+        elif field.default is None:
+            continue  # an optional field that was None
         else:
             prefix = field.name + "."
             values[field.name] = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
@@ -46,7 +51,10 @@ def select_rows(record: Record, rows: Tensor | slice) -> Record:
     picked = {}
     for field in dataclasses.fields(record):
         value = getattr(record, field.name)
-        picked[field.name] = {k: v[rows] for k, v in value.items()} if isinstance(value, dict) else value[rows]
+        if value is None:
+            picked[field.name] = None
+        else:
+            picked[field.name] = {k: v[rows] for k, v in value.items()} if isinstance(value, dict) else value[rows]
     return type(record)(**picked)
 
 
@@ -62,7 +70,9 @@ def to_device(record: Record, device: torch.device | str) -> Record:
     moved = {}
     for field in dataclasses.fields(record):
         value = getattr(record, field.name)
-        if field.name in HOST_FIELDS:
+        if value is None:
+            moved[field.name] = None
+        elif field.name in HOST_FIELDS:
             moved[field.name] = value.cpu()
         elif isinstance(value, dict):
             moved[field.name] = {k: v.to(device) for k, v in value.items()}

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from dmd2.config import DistillConfig, DMD2Config
 from dmd2.convert import TrainPairs
+from dmd2.ema import ParameterEMA
 from dmd2.model import DiffusersVelocity, VelocityFn
 from dmd2.failures import NonFiniteError
 from dmd2.optim import GatherFigures, make_optimizer, optimizer_step
@@ -33,6 +34,7 @@ class HookContext:
     dmd2: DMD2Config
     rank: int
     external_data: dict[str, Any] = field(default_factory=dict)
+    real: Any = None  # the family's real samples (a `dmd2.gan.RealSource`), for the critic's GAN loss; None: none
 
 
 @dataclass
@@ -45,6 +47,7 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     grad_clip: float
     gather: GatherFigures | None = None  # a data-parallel group's: every rank's loss and grad norm
+    ema: ParameterEMA | None = None  # the student's with `[student] ema_decay`: updated after every step
 
 
 @dataclass(frozen=True)
@@ -58,14 +61,17 @@ class Hooks:
 
 
 def train_state(model: nn.Module, lr: float, config: DistillConfig,
-                velocity: Callable[[nn.Module], VelocityFn] = DiffusersVelocity) -> TrainState:
+                velocity: Callable[[nn.Module], VelocityFn] = DiffusersVelocity, ema_decay: float = 0.0) -> TrainState:
     """A model in train mode with AdamW and the warmup schedule of `config.optim`.
 
-    `velocity` makes the model's velocity call (a family's adapter; default: a diffusers model's).
+    `velocity` makes the model's velocity call (a family's adapter; default: a diffusers model's);
+    `ema_decay` > 0 (the student's `[student] ema_decay`) keeps an EMA of its trainable parameters.
     """
     optim = config.optim
-    optimizer, scheduler = make_optimizer(model.parameters(), lr, optim.betas, optim.weight_decay, optim.warmup_steps)
-    return TrainState(model.train(), velocity(model), optimizer, scheduler, optim.grad_clip)
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only (dmd2/lora.py)
+    optimizer, scheduler = make_optimizer(trained, lr, optim.betas, optim.weight_decay, optim.warmup_steps)
+    ema = ParameterEMA(model, ema_decay) if ema_decay > 0 else None
+    return TrainState(model.train(), velocity(model), optimizer, scheduler, optim.grad_clip, ema=ema)
 
 
 def train_steps(
@@ -82,6 +88,8 @@ def train_steps(
             stepped = optimizer_step(state.model, state.optimizer, state.scheduler, loss, state.grad_clip, state.gather)
         except NonFiniteError as error:
             raise NonFiniteError(f"optimizer step {step + 1} of {num_steps}: {error}") from None
+        if state.ema is not None:
+            state.ema.update()
         metrics.append(stepped | step_metrics)
         kept.append(keep)
     with torch.no_grad():

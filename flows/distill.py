@@ -113,7 +113,9 @@ def _tracked(config: DistillConfig, family: ModelFamily, run_id: str, store: Art
         tracker.log_params(params)
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         tracker.record_flow_run(str(flow_run.id), f"started {started}, to {target} rollouts")
-        tracker.set_tags({"dmd2.store": redacted(store.root_uri), "dmd2.recipe": recipe, "dmd2.rollouts": str(target)})
+        tracker.set_tags({"dmd2.store": redacted(store.root_uri), "dmd2.recipe": recipe, "dmd2.rollouts": str(target),
+                          # which weights the run's evaluations and export are of
+                          "dmd2.student_weights": "ema" if config.student.ema_decay > 0 else "raw"})
         result, trained, prepared_now = find_result(store, run_id, target), 0, False
         reported = result is not None
         if reported:

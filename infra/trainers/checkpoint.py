@@ -7,11 +7,13 @@ different machines); rank 0 stores its directory last, naming the others' refs i
 
 Rank 0's directory:
 
-    __0_0.distcp, dcp_metadata.json, param_groups.json   model and optimizer (`infra.trainers.sharded`:
-                                                          keyed by parameter name, reshardable)
+    __0_0.distcp, dcp_metadata.json, param_groups.json   model, optimizer and the student's EMA if it has one
+                                                          (`infra.trainers.sharded`: keyed by parameter
+                                                          name, reshardable)
     scheduler.json          the lr scheduler's state_dict
     rng/rank-<r>.safetensors  each rank's torch RNG states (CPU, and CUDA where present)
-    checkpoint.json         role, step, world size, step counters, linked checkpoints, the other ranks' parts
+    checkpoint.json         role, step, world size, step counters, linked checkpoints, the other ranks' parts,
+                            whether it holds an EMA
 
 Only safetensors and JSON are written, so loading never unpickles anything.
 """
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from dmd2.ema import ParameterEMA
 from dmd2.failures import NonFiniteError
 from dmd2.tensors import non_finite
 from infra.store import ArtifactRef, ArtifactStore
@@ -88,9 +91,11 @@ def read_rank_files(folder: Path, scheduler: torch.optim.lr_scheduler.LRSchedule
 
 def save_checkpoint(store: ArtifactStore, key: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, rng_states: list[dict[str, Tensor]],
-                    info: dict[str, Any], objects: dist.ProcessGroup | None) -> ArtifactRef | None:
+                    info: dict[str, Any], objects: dist.ProcessGroup | None,
+                    ema: ParameterEMA | None = None) -> ArtifactRef | None:
     """Every rank stores its part; rank 0 stores its directory at ``key`` last and returns its ref (None
-    on other ranks). ``objects``: the process group that carries Python objects between ranks.
+    on other ranks). ``objects``: the process group that carries Python objects between ranks; ``ema``:
+    the model's EMA, stored beside it (``checkpoint.json`` says whether there is one).
 
     Nothing is written if any rank's weights or optimizer state hold a NaN or an infinity. What an earlier
     attempt at this step left (a part, or a directory nothing links to: the attempt died before rank 0's
@@ -107,14 +112,16 @@ def save_checkpoint(store: ArtifactStore, key: str, model: nn.Module, optimizer:
             store.discard_dir(own_key)
 
         on_every_rank(prepare, objects)
-        save_sharded(folder, model, optimizer)  # each rank its own shards (DCP fails every rank alike)
+        # Each rank its own shards (DCP fails every rank alike).
+        save_sharded(folder, model, optimizer, ema.state_dict() if ema is not None else None)
         part = on_every_rank(lambda: store.put_dir(own_key, folder) if rank != 0 and any(folder.iterdir()) else None,
                              objects)
         parts: list[Any] = [None] * world_size
         dist.all_gather_object(parts, part, group=objects)  # every part is stored before rank 0's directory
         if rank != 0:
             return None
-        info = info | {"parts": {str(r): ref.to_dict() for r, ref in enumerate(parts) if ref is not None}}
+        info = info | {"parts": {str(r): ref.to_dict() for r, ref in enumerate(parts) if ref is not None},
+                       "ema": ema is not None}
         write_rank0_files(folder, scheduler, rng_states, info)
         return store.put_dir(key, folder)
 
@@ -130,8 +137,11 @@ def _non_finite_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> str
 
 def load_checkpoint(store: ArtifactStore, checkpoint: ArtifactRef, role: str, model: nn.Module,
                     optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                    rank: int) -> dict[str, Any]:
-    """Load a checkpoint of ``role`` in place (every rank calls, at any world size); returns its info."""
+                    rank: int, ema: ParameterEMA | None = None) -> dict[str, Any]:
+    """Load a checkpoint of ``role`` in place (every rank calls, at any world size); returns its info.
+
+    ``ema`` loads the checkpoint's EMA; a checkpoint saved without one (the run turned `[student]
+    ema_decay` on later) restarts it at the loaded weights."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = store.get_dir(checkpoint, Path(tmp) / "checkpoint")
         info = read_info(folder)
@@ -141,6 +151,9 @@ def load_checkpoint(store: ArtifactStore, checkpoint: ArtifactRef, role: str, mo
         for saver, part in info["parts"].items():  # DCP reads every rank's shards from one folder
             for path in store.get_dir(ArtifactRef.from_dict(part), Path(tmp) / f"rank-{saver}").iterdir():
                 path.rename(folder / path.name)
-        load_sharded(folder, model, optimizer)
+        saved_ema = ema is not None and info.get("ema", False)
+        load_sharded(folder, model, optimizer, ema.state_dict() if saved_ema else None)
+        if ema is not None and not saved_ema:
+            ema.reset()
         read_rank_files(folder, scheduler, len(optimizer.param_groups), rank)
     return info

@@ -48,6 +48,8 @@ class TrainerConfig:
     checkpoint_dir: the folder under ``<run_id>/`` in the store that holds this group's checkpoints.
     steps_per_rollout: optimizer steps per rollout (K for the critic, 1 for the actor).
     hooks: the group's hooks.
+    ema_decay: the decay of the EMA of its weights that evaluation and export use (the student's
+        ``[student] ema_decay``; the critic has none); 0: none.
     """
 
     role: str
@@ -57,6 +59,8 @@ class TrainerConfig:
     checkpoint_dir: str
     steps_per_rollout: int
     hooks: HookPaths
+    ema_decay: float = 0.0
+    gan_head: bool = False  # the critic's GAN head (dmd2/gan.py), with [dmd2] critic_gan_weight > 0
 
 
 def base_trainer_config(config: DistillConfig, checkpoint_dir: str, hooks: HookPaths) -> TrainerConfig:
@@ -69,6 +73,7 @@ def base_trainer_config(config: DistillConfig, checkpoint_dir: str, hooks: HookP
         checkpoint_dir=checkpoint_dir,
         steps_per_rollout=1 if config.dmd2 is None else config.dmd2.actor_steps_per_rollout,
         hooks=hooks,
+        ema_decay=config.student.ema_decay,
     )
 
 
@@ -97,5 +102,7 @@ def compute_trainer_configs(
         checkpoint_dir=f"{checkpoint_dir}_critic",
         steps_per_rollout=config.dmd2.critic_steps_per_rollout,
         hooks=CRITIC_HOOK_PATHS,
+        ema_decay=0.0,
+        gan_head=config.dmd2.critic_gan_weight > 0,
     )
     return [critic, actor]

@@ -168,9 +168,10 @@ class TrainerGroup:
         """The family's export of the group's model at ``<run_id>/student/<step>`` in the store."""
         return self._each("export", run_id, step, card)[0]
 
-    def export_weights(self, key: str) -> list[ArtifactRef]:
-        """The model's state dict stored at ``key`` by rank 0; every rank returns the ref."""
-        return self._each("export_weights", key)
+    def export_weights(self, key: str, ema: bool = False) -> list[ArtifactRef]:
+        """The model's state dict (with ``ema`` its EMA's weights) stored at ``key`` by rank 0; every rank
+        returns the ref."""
+        return self._each("export_weights", key, ema)
 
     def state_digests(self) -> list[str]:
         return self._each("state_digest")

@@ -21,6 +21,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from dmd2.lora import add_adapters_like, has_adapters
+
 
 def free_port() -> int:
     """A TCP port free on this node now (the OS picks it), for torch.distributed's rendezvous."""
@@ -93,5 +95,7 @@ def unsharded_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Modul
     """A plain (unsharded) model of ``model``'s diffusers class and config holding ``state``."""
     cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # fully_shard subclassed it
     copy = cls.from_config(model.config)
+    if has_adapters(model):  # LoRA (dmd2/lora.py): the state holds the adapters' tensors too
+        copy = add_adapters_like(copy, model)
     copy.load_state_dict(state, strict=True)
     return copy

@@ -13,7 +13,7 @@ import hashlib
 import logging
 import os
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -24,11 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 
 from dmd2.convert import samples_to_train_pairs
 from dmd2.failures import NonFiniteError
 from dmd2.family import RunSpec
+from dmd2.gan import attach_gan_head, tapped
 from dmd2.hooks import score
+from dmd2.lora import with_role_adapters
 from dmd2.model import VelocityFn
 from dmd2.plan import RolloutPlan, rollout_plan
 from dmd2.precision import Autocast
@@ -131,13 +134,19 @@ class RankWorker:
         self._objects = dist.new_group(backend="gloo") if backend == "nccl" else None
         # The family holding its prepared inputs (e.g. the prompt table): every model call goes through it.
         self.family = family = self.spec.family.bind(load_prepared(self.store, self.spec.prepared), self.device)
+        self.real = family.real_source(self.spec)  # the GAN's real samples: the driver's, or the prepared ones
         train = self.spec.config.train
-        model = own_storage(family.load_model(self.trainer.init).to(self.device))
+        model = with_role_adapters(family.load_model(self.trainer.init), self.spec.config, self.trainer.role,
+                                   family.lora_targets)  # [student] lora_rank: adapters over the frozen init
+        if self.trainer.gan_head:  # a submodule: it trains, sleeps and is checkpointed with the critic (dmd2/gan.py)
+            model = attach_gan_head(model, family.gan_tap(model), self.spec.config.train.seed)
+        model = own_storage(model.to(self.device))
         if train.activation_checkpointing:
             model.enable_gradient_checkpointing()  # diffusers' own: recompute each block's activations in backward
         self._module = fsdp(model, train.mixed_precision == "bf16") if self.sharded else model
         # The optimizer is built over the sharded parameters under FSDP; DDP's wrapper comes with `wake`.
-        self.state = train_state(self._module, self.trainer.lr, self.spec.config, family.velocity)
+        self.state = train_state(self._module, self.trainer.lr, self.spec.config, family.velocity,
+                                 self.trainer.ema_decay)
         if self.world_size > 1:  # every rank's loss and grad norm: a non-finite step stops all ranks alike
             self.state.gather = gather_rows(self._objects)
         self._wrap()
@@ -162,7 +171,7 @@ class RankWorker:
         """The trained model as the optimizer steps see it: DDP's wrapper (built anew, see
         `infra.trainers.parallel`), or the sharded module itself."""
         self.state.model = self._module if self.sharded else ddp(self._module, self.device)
-        self.state.velocity = self._velocity(self.state.model)
+        self.state.velocity = tapped(self._velocity(self.state.model), self.module)  # the GAN's logits, if a head
 
     @property
     def module(self) -> nn.Module:
@@ -173,7 +182,7 @@ class RankWorker:
         return rollout_plan(self.spec.config, rollout_id, self.spec.sample_shape)
 
     def _ctx(self, rollout_id: int, external_data: dict[str, Any] | None = None) -> HookContext:
-        return HookContext(self.plan(rollout_id), self.spec.config.dmd2, self.rank, external_data or {})
+        return HookContext(self.plan(rollout_id), self.spec.config.dmd2, self.rank, external_data or {}, self.real)
 
     # -- the rollout's stages ------------------------------------------------------------------
 
@@ -224,8 +233,9 @@ class RankWorker:
         self.wake()
         self._teacher_host.restore()
         try:
-            scores = score(self._velocity(self.teacher), get_record(self.store, kept, self.device),
-                           get_record(self.store, pairs, self.device), self._ctx(rollout_id))
+            scores = score(self._velocity(self.teacher), get_record(self.store, kept, self.device),  # the critic
+                           get_record(self.store, pairs, self.device), self._ctx(rollout_id),  # unwrapped: no DDP
+                           tapped(self._velocity(self.module), self.module))
         finally:
             self._teacher_host.offload(module_tensors(self.teacher))  # offloaded after scoring (architecture §1.4)
         return put_record(self.store, run_id, rollout_id, "score", self.rank, scores)
@@ -254,7 +264,8 @@ class RankWorker:
             return {"offloaded_bytes": 0}
         self.state.optimizer.zero_grad(set_to_none=True)  # the next step recomputes them: nothing to keep
         self.state.model = self.state.velocity = None  # DDP's wrapper goes, and its gradient buckets with it
-        moved = self._sleeping.offload(module_tensors(self.module) + optimizer_tensors(self.state.optimizer))
+        ema = self.state.ema.local_tensors() if self.state.ema is not None else []
+        moved = self._sleeping.offload(module_tensors(self.module) + optimizer_tensors(self.state.optimizer) + ema)
         return {"offloaded_bytes": moved}
 
     def wake(self) -> None:
@@ -293,7 +304,7 @@ class RankWorker:
                     "linked": {role: r.to_dict() for role, r in (linked or {}).items()}}
             key = checkpoint_key(run_id, self.trainer.checkpoint_dir, step)
             ref = save_checkpoint(self.store, key, self.module, self.state.optimizer, self.state.scheduler,
-                                  rng_states, info, self._objects)
+                                  rng_states, info, self._objects, self.state.ema)
             return on_rank0(lambda: ref, self._objects)  # rank 0's ref, on every rank
 
     def load(self, checkpoint: ArtifactRef) -> dict[str, ArtifactRef]:
@@ -301,7 +312,7 @@ class RankWorker:
         returns its linked checkpoints' refs."""
         with self._in_use():
             info = load_checkpoint(self.store, checkpoint, self.trainer.role, self.module, self.state.optimizer,
-                                   self.state.scheduler, self.rank)
+                                   self.state.scheduler, self.rank, self.state.ema)
             if info["world_size"] != self.world_size:
                 logger.warning("checkpoint from world size %d loaded at %d: RNG states of new ranks are fresh",
                                info["world_size"], self.world_size)
@@ -312,7 +323,7 @@ class RankWorker:
 
     def evaluate(self, run_id: str, step: int, with_baselines: bool = False) -> EvalResult:
         """The family's evaluation of the current student; media go to ``<run_id>/eval/<step>/media``."""
-        with self._in_use(), self._unsharded() as student:
+        with self._in_use(), self._student_weights(), self._unsharded() as student:
             def work() -> EvalResult:
                 evaluator = self._get_evaluator()
                 student.eval()  # sampled as users sample it
@@ -342,7 +353,7 @@ class RankWorker:
 
     def export(self, run_id: str, step: int, card: dict[str, Any]) -> ArtifactRef:
         """The family's export of the student (e.g. a diffusers directory) -> ``<run_id>/student/<step>``."""
-        with self._in_use(), self._unsharded() as student:
+        with self._in_use(), self._student_weights(), self._unsharded() as student:
             def work() -> ArtifactRef:
                 problem = non_finite(student.state_dict().items())
                 if problem:
@@ -355,12 +366,20 @@ class RankWorker:
                     return self.store.put_dir(key, out)
             return on_rank0(work, self._objects)
 
-    def export_weights(self, key: str) -> ArtifactRef:
-        """Rank 0 stores the model's state dict at ``key`` (safetensors); every rank returns the ref."""
-        with self._in_use():
+    def export_weights(self, key: str, ema: bool = False) -> ArtifactRef:
+        """Rank 0 stores the model's state dict at ``key`` (safetensors), with ``ema`` the EMA's weights in
+        it; every rank returns the ref."""
+        if ema and self.state.ema is None:
+            raise ValueError(f"the {self.trainer.role} group keeps no EMA: set [student] ema_decay > 0")
+        with self._in_use(), self._student_weights() if ema else nullcontext():
             state = full_state_dict(self.module)  # every rank takes part; rank 0 gets the tensors
             return on_rank0(lambda: self.store.put_tensors(key, {k: v.detach().cpu().contiguous()
                                                                  for k, v in state.items()}), self._objects)
+
+    def _student_weights(self):
+        """The weights evaluation and export use: inside the block the EMA's (`[student] ema_decay` > 0),
+        else the raw ones. Each rank swaps its own part in place: no collective, nothing gathered."""
+        return self.state.ema.applied() if self.state.ema is not None else nullcontext()
 
     @contextmanager
     def _unsharded(self):
@@ -373,7 +392,7 @@ class RankWorker:
         yield unsharded_copy(self.module, state).to(self.device) if self.rank == 0 else None
 
     def state_digest(self) -> str:
-        """sha256 of the group's whole weights and optimizer state, keyed by parameter name, the same
+        """sha256 of the group's whole weights, optimizer state and EMA, keyed by parameter name, the same
         under DDP and FSDP at any world size (bitwise comparisons in tests and checks). Collective."""
         with self._in_use():
             options = StateDictOptions(full_state_dict=True)
@@ -382,6 +401,9 @@ class RankWorker:
                 optimizer_state = get_optimizer_state_dict(self.module, self.state.optimizer, options=options)
                 for name, values in optimizer_state["state"].items():
                     tensors.update({f"optimizer.{name}.{key}": value for key, value in values.items()})
+            if self.state.ema is not None:  # whole tensors: gathering a DTensor's is a collective too
+                tensors.update({f"ema.{name}": value.full_tensor() if isinstance(value, DTensor) else value
+                                for name, value in self.state.ema.state_dict().items()})
             digest = hashlib.sha256()
             for name in sorted(tensors):
                 # A copy: exporting a tensor to numpy pins its storage's size for good, and sleep resizes it.

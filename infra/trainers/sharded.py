@@ -9,7 +9,9 @@ One checkpoint, the union of the ranks' folders:
 
     __<r>_0.distcp      rank r's tensor shards (every rank), a safetensors file despite DCP's suffix.
                         Keys are DCP's flattened FQNs, `model.<param>` and `optim.state.<param>.<name>`
-                        (AdamW: step, exp_avg, exp_avg_sq); a tensor DDP replicates is written once.
+                        (AdamW: step, exp_avg, exp_avg_sq), and `ema.<param>` for a model with an EMA
+                        (`dmd2.ema`); a tensor DDP replicates is written once. A model with frozen
+                        parameters (LoRA, `dmd2.lora`) stores only those that train.
     dcp_metadata.json   (rank 0) DCP's `Metadata` as JSON: each tensor's global size, dtype, chunks and
                         the file holding each chunk.
     param_groups.json   (rank 0) the optimizer's param_groups (lr, betas, ...), params named by FQN.
@@ -35,7 +37,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, Seriali
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.futures import Future
 
 METADATA_NAME = "dcp_metadata.json"
@@ -162,28 +164,48 @@ def _dcp_call() -> Iterator[None]:
             raise error.failures[min(error.failures)][0] from error
 
 
-def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[dict]]:
+def _trained_names(model: nn.Module) -> set[str] | None:
+    """The names of the parameters that train when some are frozen (LoRA adapters, `dmd2.lora`), else None.
+
+    Frozen weights are the init's, which a resuming rank loads anyway before the checkpoint: the
+    checkpoint leaves them out, and the buffers with them (nothing trains those)."""
+    params = list(getattr(model, "module", model).named_parameters())  # DDP's wrapper keeps the model in .module
+    if all(param.requires_grad for _, param in params):
+        return None
+    return {name for name, param in params if param.requires_grad}
+
+
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+               ema: dict[str, Tensor] | None = None) -> tuple[dict[str, Any], list[dict]]:
     """What goes through DCP (tensors by FQN) and the optimizer's param_groups (kept out of it)."""
     model_state, optim_state = get_state_dict(model, optimizer)
+    trained = _trained_names(model)
+    if trained is not None:
+        model_state = {key: value for key, value in model_state.items() if key in trained}
     state = {"model": model_state, "optim": {"state": optim_state["state"]}}
+    if ema is not None:  # the EMA's own tensors: DCP loads into them in place
+        state["ema"] = ema
     leaves = [(f"model.{k}", v) for k, v in model_state.items()] + [
-        (f"optim.state.{p}.{k}", v) for p, values in optim_state["state"].items() for k, v in values.items()]
+        (f"optim.state.{p}.{k}", v) for p, values in optim_state["state"].items() for k, v in values.items()] + [
+        (f"ema.{k}", v) for k, v in (ema or {}).items()]
     others = [key for key, value in leaves if not isinstance(value, Tensor)]
     if others:
         raise TypeError(f"non-tensor state {others[:5]}: a sharded checkpoint holds only tensors")
     return state, optim_state["param_groups"]
 
 
-def save_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 ema: dict[str, Tensor] | None = None) -> None:
     """Write this rank's part of a checkpoint of `model` and `optimizer` into its empty local `folder`.
 
     Collective: every rank of the default process group calls it (or one process without a group).
     `model` may be FSDP2-sharded, DDP-wrapped or plain. Rank r's folder holds only rank r's files.
+    `ema`: the model's EMA by parameter name (`ParameterEMA.state_dict`), sharded like the model.
     """
     folder.mkdir(parents=True, exist_ok=True)
     if any(folder.iterdir()):
         raise FileExistsError(f"{folder} is not empty; a sharded checkpoint is written into an empty folder")
-    state, groups = _dcp_state(model, optimizer)
+    state, groups = _dcp_state(model, optimizer, ema)
     try:  # before any rank writes anything
         groups_text = json.dumps(groups, sort_keys=True)
     except TypeError as error:  # e.g. a tensor lr
@@ -194,14 +216,16 @@ def save_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
         (folder / PARAM_GROUPS_NAME).write_text(groups_text)
 
 
-def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 ema: dict[str, Tensor] | None = None) -> None:
     """Load a checkpoint from `folder` (the union of every saving rank's files) in place.
 
     Collective: every rank calls it, each with such a folder. The world size and layout may differ
-    from the save's; the parameter names and the optimizer's param_groups must match.
+    from the save's; the parameter names and the optimizer's param_groups must match. `ema` (saved
+    with the checkpoint) is loaded into its tensors in place.
     """
     saved_groups = json.loads((folder / PARAM_GROUPS_NAME).read_text())
-    state, groups = _dcp_state(model, optimizer)
+    state, groups = _dcp_state(model, optimizer, ema)
     if [g["params"] for g in saved_groups] != [g["params"] for g in groups]:
         raise ValueError(f"{folder}: the optimizer's param_groups hold other parameters than the saved ones")
     with _dcp_call():
@@ -210,4 +234,5 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     saved_groups = [{k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in saved.items()}
                     for saved, now in zip(saved_groups, groups)]
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optim"]["state"], "param_groups": saved_groups})
+                   optim_state_dict={"state": state["optim"]["state"], "param_groups": saved_groups},
+                   options=StateDictOptions(strict=_trained_names(model) is None))  # frozen weights: not in it

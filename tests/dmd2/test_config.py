@@ -32,6 +32,8 @@ def test_a_valid_config_passes_and_derives_b_and_critic_lr():
     (dict(optim=OptimConfig(lr=0.0)), r"\[optim\] lr must be > 0"),
     (dict(train=TrainConfig(loss_type="ppo")), r"\[train\] loss_type must be one of"),
     (dict(student=StudentConfig(num_steps=0)), r"\[student\] num_steps must be >= 1"),
+    (dict(student=StudentConfig(ema_decay=1.0)), r"\[student\] ema_decay must be in \[0, 1\)"),
+    (dict(student=StudentConfig(ema_decay=-0.1)), r"\[student\] ema_decay must be in \[0, 1\)"),
     (dict(train=TrainConfig(rollout_batch_size=40, keep_rollouts=-1)), r"\[train\] keep_rollouts must be >= 0"),
 ])
 def test_each_invalid_config_is_rejected_naming_the_option(sections, option):

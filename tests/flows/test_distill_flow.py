@@ -63,6 +63,7 @@ def test_mlflow_has_every_metric_once_per_step_images_and_the_student(finished_r
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/fd_teacher")) == [1, 2]
     assert run.data.params["dmd2.critic_steps_per_rollout"] == "2"
     assert run.data.tags["dmd2.store"].startswith("s3://") and "prefect.flow_run_id" in run.data.tags
+    assert run.data.tags["dmd2.student_weights"] == "raw"  # no [student] ema_decay: evaluated and exported raw
     images = [a.path for a in client.list_artifacts(run.info.run_id, "images") if a.path.endswith(".png")]
     assert len(images) == 2
     assert any(a.path == "student/config.json" for a in client.list_artifacts(run.info.run_id, "student"))

@@ -109,6 +109,7 @@ def test_a_recipe_that_is_not_text_names_the_file(tmp_path):
      r"\[dmd2\] critic_steps_per_rollout \(3\) must divide each rank's shard of 160 samples .*change either"),
     (["distill", "--set", "train.loss_type=flow_matching"], r"\[dmd2\] options are read only with .*remove"),
     (["distill", "--set", "data.prompts=p.txt"], r"\[data\] prompts: read only by text-to-image .*remove them"),
+    (["distill", "--set", "data.images=real"], r"\[data\] images: read only by text-to-image .*remove them"),
     (["distill", "--rollouts", "0"], "--rollouts must be >= 1"),
     (["distill", "--run-id", "../evil"], r"invalid --run-id '\.\./evil': use 1-255 characters"),
     (["distill", "--run-id", "_shared"], "--run-id '_shared' starts with '_'.*choose another id"),

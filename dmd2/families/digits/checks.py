@@ -26,7 +26,7 @@ BUILTIN_DIGITS = "builtin:digits"  # pretrained on sklearn's digits and cached o
 
 # Options only a text-to-image family reads: set under the digits family, they are a mistake.
 TEXT_TO_IMAGE_OPTIONS = (("data", "prompts"), ("data", "negative_prompt"), ("data", "resolution"),
-                         ("eval", "prompts"), ("eval", "clip_model"))
+                         ("data", "images"), ("eval", "prompts"), ("eval", "clip_model"))
 
 
 def digits_unet_config(path: str | Path) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from dmd2.families.digits.checks import IMAGE_SHAPE, NULL_CLASS, NUM_CLASSES  # noqa: F401 (the data's shape)
+from dmd2.gan import RealSamples
 
 _PIXEL_MAX = 16.0  # sklearn's digits are 4-bit counts of set pixels in each 4x4 block
 
@@ -71,6 +72,13 @@ def load_digits_splits(test_fraction: float = 0.2, seed: int = 0) -> DigitsSplit
         test_images=_to_images(x_test),
         test_labels=torch.from_numpy(y_test.astype(np.int64)),
     )
+
+
+def real_digits() -> RealSamples:
+    """The GAN's real samples (dmd2/gan.py): the train split the teacher was pretrained on, in its scaling
+    ([-1, 1]), each with its label as the cond."""
+    splits = load_digits_splits()
+    return RealSamples(splits.train_images, {"class_labels": splits.train_labels})
 
 
 def balanced_labels(n: int, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -17,7 +17,11 @@ from dmd2.conditioning import ClassLabels
 from dmd2.config import DistillConfig
 from dmd2.family import ModelFamily, RunSpec
 from dmd2.families.digits.checks import IMAGE_SHAPE, NULL_CLASS, NUM_CLASSES
+from dmd2.families.digits.data import real_digits
+from dmd2.gan import GanTap
 from dmd2.model import load_pretrained
+
+LORA_DIR = "lora"  # a LoRA student's adapter, inside its export
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,9 @@ class DigitsFamily(ModelFamily):
                       "eval/accuracy": "class accuracy"}
     generate_example = (0, 1, 2, 3)  # class labels
     generated_shape = IMAGE_SHAPE[1:]
+    # The mid block's attention, every resnet's convs and its timestep projection (a few-step student reads
+    # the timestep anew); the UNet's in/out convs, norms and embeddings stay the teacher's.
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2", "time_emb_proj")
 
     def resolve(self, config: DistillConfig, cache_dir: Path) -> DistillConfig:
         from dmd2.families.digits.pretrain import resolve_model  # pretraining imports diffusers and sklearn
@@ -42,7 +49,13 @@ class DigitsFamily(ModelFamily):
         )
 
     def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
-        return RunSpec(config, self, IMAGE_SHAPE, ClassLabels(NUM_CLASSES, NULL_CLASS), str(cache_dir))
+        gan = config.dmd2 is not None and config.dmd2.critic_gan_weight > 0
+        return RunSpec(config, self, IMAGE_SHAPE, ClassLabels(NUM_CLASSES, NULL_CLASS), str(cache_dir),
+                       real=real_digits() if gan else None)
+
+    def gan_tap(self, model: nn.Module) -> GanTap:
+        """The UNet's bottleneck: `mid_block`'s output, [B, C, h, w] with C its last block's channels."""
+        return GanTap("mid_block", model.config.block_out_channels[-1])
 
     def load_model(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:
         try:
@@ -57,7 +70,14 @@ class DigitsFamily(ModelFamily):
         return DigitsStudentEvaluator.build(config, cache_dir)
 
     def export(self, student: nn.Module, config: DistillConfig, out_dir: Path, card: dict[str, Any]) -> None:
-        student.save_pretrained(out_dir, safe_serialization=True)  # creates out_dir
+        """The UNet's `save_pretrained` directory; a LoRA student's is the merged UNet, with its adapter alone
+        in `lora/` (peft's format, over the student's init: `PeftModel.from_pretrained(teacher, out_dir / "lora")`)."""
+        from dmd2.lora import has_adapters, merged_copy, save_peft_adapter
+
+        adapted = has_adapters(student)
+        (merged_copy(student) if adapted else student).save_pretrained(out_dir, safe_serialization=True)  # creates it
+        if adapted:
+            save_peft_adapter(student, out_dir / LORA_DIR, config.model.student or config.model.teacher)
         (out_dir / "README.md").write_text(model_card(config, card))
 
     def student_generator(self, student_dir: Path, settings: dict[str, Any]):
@@ -65,6 +85,15 @@ class DigitsFamily(ModelFamily):
 
         model = self.load_model(str(student_dir)).eval().requires_grad_(False)
         return DigitsGenerator(model, int(settings["num_steps"]), float(settings["shift"]))
+
+
+def _lora_note(config: DistillConfig) -> str:
+    student = config.student
+    if not student.lora_rank:
+        return ""
+    return (f"\n\nTrained as LoRA adapters (rank {student.lora_rank}, alpha {student.adapter_alpha}); this UNet has "
+            f"them merged. The adapter alone is in `{LORA_DIR}/` (peft's format): "
+            f"`PeftModel.from_pretrained(base_unet, \"{LORA_DIR}\")` over the student's initial UNet.")
 
 
 def model_card(config: DistillConfig, card: dict[str, Any]) -> str:
@@ -80,7 +109,7 @@ tags: [dmd2, distillation, digits]
 Distilled with DMD2 from the digits teacher `{card.get("teacher", config.model.teacher)}` (recipe
 `{card.get("recipe", "")}`, run `{card.get("run_id", "")}`, {card.get("rollouts", "?")} rollouts). Sample it with
 the student's sampler: predict x0 and re-noise to the next sigma of the grid [1, (N-1)/N, ..., 1/N],
-N = {steps}, unguided; class labels 0..9 (10 is the null class).
+N = {steps}, unguided; class labels 0..9 (10 is the null class).{_lora_note(config)}
 
 | eval | value |
 |---|---:|

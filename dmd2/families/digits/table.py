@@ -14,6 +14,7 @@ import torch
 from dmd2.config import DistillConfig
 from dmd2.families.digits.data import IMAGE_SHAPE, load_digits_splits
 from dmd2.families.digits.evaluator import DigitsEvaluator
+from dmd2.families.digits.family import DigitsFamily
 from dmd2.families.digits.pretrain import resolve_model
 from dmd2.families.digits.yardstick import DIGIT_CONDS, Yardstick
 from dmd2.loop import InProcessDistiller
@@ -35,16 +36,24 @@ def _steps(n: int) -> str:
 
 
 def _distill(config: DistillConfig, teacher: torch.nn.Module, cache_dir: Path, name: str) -> torch.nn.Module:
-    """The recipe's student (default: a copy of the teacher) and critic, distilled in process."""
+    """The recipe's student (default: a copy of the teacher) and critic, distilled in process; with
+    `[student] ema_decay` the student holds its EMA's weights, as a flow's evaluation and export do."""
 
     def load(spec: str | None) -> torch.nn.Module | None:
         return load_pretrained(resolve_model(spec, cache_dir)) if spec else None
 
+    family = DigitsFamily()  # with [dmd2] critic_gan_weight: the GAN's real samples and head, as a run's
     distiller = InProcessDistiller.from_models(config, teacher, DIGIT_CONDS, IMAGE_SHAPE,
-                                               student=load(config.model.student), critic=load(config.model.critic_load))
+                                               student=load(config.model.student), critic=load(config.model.critic_load),
+                                               real=family.run_spec(config, cache_dir).real, gan_tap=family.gan_tap,
+                                               lora_targets=family.lora_targets)
     with progress_bar(config.train.rollouts, name, unit="rollout") as bar:
         distiller.run(range(config.train.rollouts), lambda rollout_id, metrics: bar.update(1))
-    return distiller.student.model.eval()
+    student = distiller.student
+    if student.ema is not None:
+        with student.ema.applied():
+            return copy.deepcopy(student.model).eval()
+    return student.model.eval()
 
 
 def quality_table(recipes: dict[str, DistillConfig], cache_dir: Path) -> list[Row]:

@@ -1,4 +1,5 @@
-"""What the sd3 family accepts, decided from the pipeline's JSON files and the prompt file alone.
+"""What the sd3 family accepts, decided from the pipeline's JSON files, the prompt file and the image folder's
+listing alone.
 
 Standard library only: the CLI asks `claims` and `check` (through the registry, dmd2/family.py)
 before anything heavy loads, so a refused recipe costs no torch import; `SD3Family.claims` and
@@ -9,6 +10,7 @@ holds it, its snapshot is checked like a directory.
 import json
 
 from dmd2.config import ConfigError, DistillConfig
+from dmd2.families.sd3.image_folder import read_image_folder
 from dmd2.families.sd3.pipeline import check_flow_matching, check_sd3_pipeline, is_sd3_pipeline, latent_shape
 from dmd2.families.sd3.prompt_file import read_prompts
 from dmd2.model_specs import model_dir
@@ -20,7 +22,8 @@ def claims(teacher: str) -> bool:
 
 
 def check(config: DistillConfig) -> None:
-    """Refuse teachers, students, critics, CLIP models and prompt files the family cannot run with."""
+    """Refuse teachers, students, critics, CLIP models, prompt files and image folders the family cannot run
+    with."""
     try:
         _check_teacher(config)
         model = config.model
@@ -37,6 +40,7 @@ def check(config: DistillConfig) -> None:
             raise ValueError("[data] prompts is required by the sd3 family: a text file (one prompt a line) or "
                              "a .jsonl file with a \"prompt\" field")
         read_prompts(config.data.prompts)
+        _check_real_images(config)
     except ValueError as error:  # a ConfigError too: every refusal is one, naming the option
         raise ConfigError(str(error)) from None
     if config.eval.num_samples != 1000:
@@ -57,6 +61,21 @@ def _check_teacher(config: DistillConfig) -> None:
     check_sd3_pipeline(teacher)
     if config.data.resolution:
         latent_shape(teacher, config.data.resolution)
+
+
+def _check_real_images(config: DistillConfig) -> None:
+    """The GAN's discriminator needs `[data] images`, and only it reads them: either without the other is refused
+    (images nothing reads would still cost a VAE pass and a stored copy, and most likely mean a forgotten weight)."""
+    gan = config.dmd2 is not None and config.dmd2.critic_gan_weight > 0
+    if gan and not config.data.images:
+        raise ValueError(f"[dmd2] critic_gan_weight = {config.dmd2.critic_gan_weight} needs real images for the GAN's "
+                         "discriminator: set [data] images to a folder of them (png, jpg, jpeg or webp; a same-named "
+                         ".txt beside an image is its caption), or set critic_gan_weight = 0 and gan_weight = 0")
+    if config.data.images and not gan:
+        raise ValueError("[data] images is read only by the GAN's discriminator: set [dmd2] critic_gan_weight > 0 "
+                         "(e.g. 1e-2), or remove [data] images")
+    if config.data.images:
+        read_image_folder(config.data.images)  # the folder exists and holds an image; pixels are read in prepare
 
 
 def _check_clip(spec: str) -> None:

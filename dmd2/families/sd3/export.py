@@ -20,12 +20,14 @@ import torch
 from torch import nn
 
 from dmd2.families.sd3.pipeline import SCHEDULER_CLASS, TIMESTEPS, check_flow_matching, check_sd3_pipeline
+from dmd2.lora import adapter_config, adapter_state, has_adapters, merged_copy
 from dmd2.schedule import shift_sigma, student_sigmas
 
 # Top-level files of a hub snapshot that are single-file checkpoints, not parts of the pipeline.
 CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".ckpt", ".pt", ".pth", ".gguf")
 CARD_KEYS = ("base_model", "license", "recipe", "metrics")
 GRID_TOLERANCE = 1e-6
+LORA_DIR = "lora"  # a LoRA student's adapter alone, beside the merged transformer
 
 
 def _scheduler_sigma_min(shift: float) -> float:
@@ -94,6 +96,16 @@ def _copy_teacher_parts(teacher_dir: Path, staging: Path, index: dict[str, Any])
             shutil.copy2(file, staging / file.name)
 
 
+def save_lora(transformer: nn.Module, out_dir: Path) -> None:
+    """The transformer's LoRA adapter alone, as diffusers' SD3 LoRA training script saves it (peft-format keys,
+    `transformer.` prefix, the LoraConfig as metadata): `StableDiffusion3Pipeline.load_lora_weights(out_dir)`
+    loads it onto the pipeline the student started from."""
+    from diffusers import StableDiffusion3Pipeline  # slow to import; only exports need it
+
+    StableDiffusion3Pipeline.save_lora_weights(out_dir, transformer_lora_layers=adapter_state(transformer),
+                                               transformer_lora_adapter_metadata=adapter_config(transformer).to_dict())
+
+
 def _write_pipeline(teacher_dir: Path, transformer: nn.Module, num_steps: int, shift: float, staging: Path,
                     card: dict[str, Any]) -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler  # slow to import; only exports need it
@@ -102,13 +114,17 @@ def _write_pipeline(teacher_dir: Path, transformer: nn.Module, num_steps: int, s
     staging.mkdir(parents=True)
     _copy_teacher_parts(teacher_dir, staging, index)
     model = getattr(transformer, "module", transformer)  # DDP and FSDP wrappers keep the model in .module
-    model.save_pretrained(staging / "transformer", safe_serialization=True)
+    adapted = has_adapters(model)
+    (merged_copy(model) if adapted else model).save_pretrained(staging / "transformer", safe_serialization=True)
+    if adapted:
+        save_lora(model, staging / LORA_DIR)
     scheduler = FlowMatchEulerDiscreteScheduler(**student_scheduler_config(num_steps, shift))
     check_student_grid(scheduler, num_steps, shift)
     scheduler.save_pretrained(staging / "scheduler")
     index = {**index, "transformer": ["diffusers", type(model).__name__], "scheduler": ["diffusers", SCHEDULER_CLASS]}
     (staging / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    (staging / "README.md").write_text(model_card(teacher_dir, num_steps, shift, scheduler.config, card))
+    lora = adapter_config(model) if adapted else None
+    (staging / "README.md").write_text(model_card(teacher_dir, num_steps, shift, scheduler.config, card, lora))
 
 
 def export_pipeline(teacher_dir: str | Path, transformer: nn.Module, num_steps: int, shift: float,
@@ -148,7 +164,7 @@ def _table(rows: dict[str, Any], header: tuple[str, str]) -> str:
 
 
 def model_card(teacher_dir: Path, num_steps: int, shift: float, scheduler_config: dict[str, Any],
-               card: dict[str, Any]) -> str:
+               card: dict[str, Any], lora: Any = None) -> str:
     """README.md of an export: YAML front matter for the hub, then teacher, recipe, steps and scores.
 
     card: `base_model` (the teacher's hub id; default: its directory name), `license` (optional),
@@ -180,6 +196,23 @@ def model_card(teacher_dir: Path, num_steps: int, shift: float, scheduler_config
         "## Recipe", "",
         _table(recipe, ("option", "value")) if isinstance(recipe, dict) else str(recipe), "",
     ]
+    if lora is not None:
+        body += _lora_usage(lora, num_steps)
     if card.get("metrics"):
         body += ["## Evaluation", "", _table(card["metrics"], ("metric", "value")), ""]
     return "\n".join(front + body)
+
+
+def _lora_usage(lora: Any, num_steps: int) -> list[str]:
+    """The card's section on the adapter alone (`lora`: its peft LoraConfig)."""
+    return [
+        "## LoRA adapter", "",
+        (f"The transformer was trained as LoRA adapters (rank {lora.r}, alpha {lora.lora_alpha}, on "
+         f"{', '.join(sorted(lora.target_modules))}); `transformer/` has them merged. The adapter alone is in "
+         f"`{LORA_DIR}/`, for the pipeline the student started from, with this directory's scheduler:"), "",
+        "```python", "from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline", "",
+        'pipe = StableDiffusion3Pipeline.from_pretrained("<the teacher>")',
+        f'pipe.load_lora_weights("<this directory>/{LORA_DIR}")',
+        'pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained("<this directory>", subfolder="scheduler")',
+        f'image = pipe("a photo of a cat", num_inference_steps={num_steps}, guidance_scale=1.0).images[0]',
+        "```", ""]

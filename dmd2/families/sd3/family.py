@@ -2,13 +2,15 @@
 
 `[model] teacher` is a pipeline directory or a hub id (then `[model] family = "sd3"`, and the
 snapshot is fetched once by huggingface_hub). The transformer trains; the text encoders run once per
-prompt set (`prepare`, on a Ray worker), the VAE only in evaluation and export. Records carry prompt
-indices into one table holding the training prompts, then the eval prompts; the negative prompt is
-index -1. Samples are latents of `[data] resolution`; the student's grid and the critic's sigmas
+prompt set (`prepare`, on a Ray worker), the VAE in evaluation and export, and once per image set when
+the GAN's discriminator reads real images (`[data] images`, encoded in `prepare` too). Records carry
+prompt indices into one table holding the training prompts, then the eval prompts, then the images'
+captions; the negative prompt is index -1. Samples are latents of `[data] resolution`; the student's grid and the critic's sigmas
 follow the teacher's scheduler shift unless the recipe sets its own.
 """
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +22,13 @@ from dmd2.config import ConfigError, DistillConfig
 from dmd2.draws import RolloutDraws
 from dmd2.family import ModelFamily, RunSpec
 from dmd2.families.sd3.conditioning import PromptTable, TableVelocity, negative_indices, prompt_indices
+from dmd2.families.sd3.image_folder import RealImage, read_image_folder
 from dmd2.families.sd3.pipeline import (check_sd3_pipeline, is_sd3_pipeline, latent_shape, load_transformer,
                                         read_json, shift_of, vae_scale_factor)
 from dmd2.families.sd3.prompt_file import read_prompts
-from dmd2.families.sd3.prompts import encoder_fingerprint, prompts_digest
+from dmd2.families.sd3.prompts import components_fingerprint, encoder_fingerprint, prompts_digest
+from dmd2.families.sd3.real_images import caption_rows, images_digest
+from dmd2.gan import GanTap, RealSamples
 from dmd2.model import Cond, DiffusersVelocity, VelocityFn
 
 EVAL_PROMPTS_DEFAULT = 4  # the first prompts of [data] prompts make the grid when [eval] prompts is unset
@@ -59,7 +64,9 @@ class SD3Family(ModelFamily):
     report_columns = {"eval/latent_mse_teacher": "latent MSE vs teacher", "eval/clip_score": "CLIP score"}
     generate_example = ("a photo of a cat",)  # prompts
     generated_shape = (-1, -1, 3)  # [data] resolution, RGB
-    table: PromptTable | None = None  # bound on the ranks: the training prompts, then the eval prompts
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # the MMDiT's attention (diffusers' SD3 LoRA script's)
+    table: PromptTable | None = None  # bound on the ranks: the training prompts, the eval prompts, the captions
+    real: RealSamples | None = None  # bound on the ranks with `[data] images`: their latents, captions' indices
 
     def resolve(self, config: DistillConfig, cache_dir: Path) -> DistillConfig:
         model = config.model
@@ -89,26 +96,59 @@ class SD3Family(ModelFamily):
         shape = latent_shape(config.model.teacher, config.data.resolution)
         return RunSpec(config, self, shape, PromptIndices(len(read_prompts(config.data.prompts))), str(cache_dir))
 
+    @staticmethod
+    def real_images(config: DistillConfig) -> list[RealImage]:
+        """The images of `[data] images` with their captions (none when unset)."""
+        return read_image_folder(config.data.images) if config.data.images else []
+
     def prepared_key(self, config: DistillConfig) -> str:
         prompts = read_prompts(config.data.prompts) + self.eval_prompts(config)
-        return prompts_digest(prompts, config.data.negative_prompt, encoder_fingerprint(config.model.teacher))
+        key = prompts_digest(prompts, config.data.negative_prompt, encoder_fingerprint(config.model.teacher))
+        images = self.real_images(config)
+        if not images:  # without real images the key is the prompts' alone: earlier runs' tables stay valid
+            return key
+        vae = components_fingerprint(config.model.teacher, ["vae"])
+        return hashlib.sha256(f"{key} {images_digest(images, config.data.resolution, vae)}".encode()).hexdigest()
 
     def prepare(self, config: DistillConfig) -> dict[str, dict[str, Tensor]]:
+        """{"prompts": the table (training prompts, eval prompts, then the captions not among them)}, and with
+        `[data] images`, {"real": {"latents": [N, C, h, w] float32, "prompt_index": [N] the captions' rows}}."""
         from dmd2.families.sd3.prompts import encode_prompt_table, load_text_pipeline
+        from dmd2.families.sd3.real_images import encode_images, load_vae
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        images = self.real_images(config)
+        rows, caption_index = caption_rows(read_prompts(config.data.prompts) + self.eval_prompts(config),
+                                           [image.caption for image in images])
         pipeline = load_text_pipeline(config.model.teacher).to(device)
-        prompts = read_prompts(config.data.prompts) + self.eval_prompts(config)
-        return {"prompts": encode_prompt_table(pipeline, prompts, config.data.negative_prompt)}
+        prepared = {"prompts": encode_prompt_table(pipeline, rows, config.data.negative_prompt)}
+        del pipeline  # the text encoders leave the device before the VAE comes
+        if images:
+            vae = load_vae(config.model.teacher).to(device)
+            latents = encode_images(vae, [image.path for image in images], config.data.resolution)
+            prepared["real"] = {"latents": latents, "prompt_index": caption_index}
+        return prepared
 
     def bind(self, prepared: dict[str, dict[str, Tensor]], device: torch.device | str = "cpu") -> "SD3Family":
-        return dataclasses.replace(self, table=PromptTable.from_tensors(prepared["prompts"]).to(device))
+        real = prepared.get("real")
+        if real is not None:
+            real = RealSamples(real["latents"].to(device), prompt_indices(real["prompt_index"].to(device)))
+        return dataclasses.replace(self, table=PromptTable.from_tensors(prepared["prompts"]).to(device), real=real)
+
+    def real_source(self, spec: RunSpec) -> RealSamples | None:
+        """The bound images' latents, each with its caption's prompt index (`[data] images`)."""
+        return self.real
 
     def load_model(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:
         if is_sd3_pipeline(path):
             return load_transformer(path, dtype or torch.float32)
         raise FileNotFoundError(f"{path!r} is not a StableDiffusion3Pipeline directory (no model_index.json naming "
                                 "StableDiffusion3Pipeline)")
+
+    def gan_tap(self, model: nn.Module) -> GanTap:
+        """The middle transformer block's image-token hidden states ([B, L, D]; a block returns
+        (encoder_hidden_states, hidden_states))."""
+        return GanTap(f"transformer_blocks.{len(model.transformer_blocks) // 2}", model.inner_dim, output_index=1)
 
     def velocity(self, model: nn.Module) -> VelocityFn:
         if self.table is None:

@@ -24,7 +24,7 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline's default T5 lengt
 TABLE_KEYS = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest, buffer = hashlib.sha256(), bytearray(CHUNK_BYTES)
     view = memoryview(buffer)
     with path.open("rb") as f:
@@ -42,14 +42,20 @@ def _encoder_components(index: dict[str, Any]) -> list[str]:
 def encoder_fingerprint(pipeline_dir: str | Path) -> str:
     """sha256 hex over the text encoders' and tokenizers' files: their classes, and per file its path,
     size and content sha256. Changes whenever anything that shapes a prompt embedding changes."""
+    return components_fingerprint(pipeline_dir, _encoder_components(check_sd3_pipeline(pipeline_dir)))
+
+
+def components_fingerprint(pipeline_dir: str | Path, names: list[str]) -> str:
+    """sha256 hex over the pipeline's components `names` (e.g. ["vae"]): their classes in model_index.json,
+    and per file its path, size and content sha256."""
     pipeline_dir = Path(pipeline_dir)
     index = check_sd3_pipeline(pipeline_dir)
     digest = hashlib.sha256()
-    for name in _encoder_components(index):
+    for name in names:
         digest.update(json.dumps([name, index[name]]).encode())
         for file in sorted(p for p in (pipeline_dir / name).rglob("*") if p.is_file()):
             relative = file.relative_to(pipeline_dir).as_posix()
-            digest.update(json.dumps([relative, file.stat().st_size, _file_sha256(file)]).encode())
+            digest.update(json.dumps([relative, file.stat().st_size, file_sha256(file)]).encode())
     return digest.hexdigest()
 
 

@@ -27,8 +27,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from dmd2.ema import ParameterEMA
 from infra.trainers.sharded import (METADATA_NAME, PARAM_GROUPS_NAME, JsonMetadataWriter, decode_metadata,
                                     encode_metadata, load_sharded, save_sharded)
 
@@ -61,12 +63,23 @@ def make(layout: str, seed: int, lr: float = 1e-2) -> tuple[nn.Module, torch.opt
     return model, torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.8, 0.95), weight_decay=0.1)
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, ema: ParameterEMA | None = None) -> None:
     for step in steps:  # the same batch on every rank: the checks need no data-parallel sampling
         x = torch.randn(6, 5, generator=torch.Generator().manual_seed(step))
         model(x).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
+        if ema is not None:
+            ema.update()
+
+
+EMA_DECAY = 0.7
+
+
+def full_ema(ema: ParameterEMA) -> dict[str, Tensor]:
+    """The EMA's whole tensors by parameter name (gathering a DTensor's is collective)."""
+    return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+            for name, value in ema.state_dict().items()}
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], list[dict]]:
@@ -126,6 +139,28 @@ def job_load(layouts: list[str], folder: Path, out: Path) -> None:
         model, optimizer = make(layout, seed=1, lr=0.5)
         load_sharded(folder, model, optimizer)
         write_full_state(model, optimizer, out / layout)
+
+
+def job_train_ema_and_save(root: Path, out: Path) -> None:
+    """Two steps with an EMA, a checkpoint, a third step: where the resumed run must land."""
+    model, optimizer = make("fsdp2", seed=0)
+    ema = ParameterEMA(model, EMA_DECAY)
+    train(model, optimizer, range(2), ema)
+    save_sharded(root / f"rank-{dist.get_rank()}", model, optimizer, ema.state_dict())
+    train(model, optimizer, range(2, 3), ema)
+    averages = full_ema(ema)
+    if dist.get_rank() == 0:
+        save_file(averages, str(out))
+
+
+def job_load_ema_and_continue(folder: Path, out: Path) -> None:
+    model, optimizer = make("fsdp2", seed=1, lr=0.5)
+    ema = ParameterEMA(model, EMA_DECAY)
+    load_sharded(folder, model, optimizer, ema.state_dict())
+    train(model, optimizer, range(2, 3), ema)
+    averages = full_ema(ema)
+    if dist.get_rank() == 0:
+        save_file(averages, str(out))
 
 
 def _rank_loop(rank: int, world: int, init: str, inbox, outbox) -> None:
@@ -269,6 +304,37 @@ def test_a_resumed_run_takes_the_same_next_step(tmp_path):
     group = resumed_optimizer.param_groups[0]
     assert (group["lr"], group["betas"]) == (1e-2, (0.8, 0.95))  # the saved ones, tuple restored
     assert_same_state(full_state(resumed, resumed_optimizer), full_state(model, optimizer))
+
+
+def test_a_resumed_run_continues_its_ema_bitwise(tmp_path):
+    model, optimizer = make("plain", seed=0)
+    ema = ParameterEMA(model, EMA_DECAY)
+    train(model, optimizer, range(2), ema)
+    save_sharded(tmp_path, model, optimizer, ema.state_dict())
+    train(model, optimizer, range(2, 3), ema)
+    resumed, resumed_optimizer = make("plain", seed=1, lr=0.5)
+    resumed_ema = ParameterEMA(resumed, EMA_DECAY)
+    with no_unpickling():
+        load_sharded(tmp_path, resumed, resumed_optimizer, resumed_ema.state_dict())
+    train(resumed, resumed_optimizer, range(2, 3), resumed_ema)
+    assert sorted(resumed_ema.state_dict()) == sorted(name for name, _ in model.named_parameters())
+    for name, value in ema.state_dict().items():
+        assert torch.equal(resumed_ema.state_dict()[name], value), name
+    assert not torch.equal(ema.state_dict()["blocks.0.weight"], model.blocks[0].weight)  # an average, not a copy
+    load_sharded(tmp_path, *make("plain", seed=2))  # a run without an EMA ignores the checkpoint's
+
+
+@needs_ranks
+def test_an_fsdp2_run_resumed_from_its_checkpoint_continues_its_sharded_ema_bitwise(ranks, tmp_path):
+    ranks.run("job_train_ema_and_save", tmp_path / "ckpt", tmp_path / "uninterrupted.safetensors")
+    with safe_open(str(tmp_path / "ckpt" / "rank-1" / "__1_0.distcp"), framework="pt") as file:
+        assert file.get_slice("ema.blocks.0.weight").get_shape() == [3, 5]  # rank 1's shard of the 7 rows
+    ranks.run("job_load_ema_and_continue", merged(tmp_path / "ckpt", tmp_path / "all"),
+              tmp_path / "resumed.safetensors")
+    uninterrupted, resumed = (load_file(str(tmp_path / f"{name}.safetensors")) for name in ("uninterrupted", "resumed"))
+    assert sorted(resumed) == sorted(uninterrupted) and len(resumed) == 6
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
