@@ -9,7 +9,6 @@ Every public method takes and returns `ArtifactRef`s (or small dicts of numbers)
 read from and written to the artifact store here, on the rank, never by the driver.
 """
 
-import hashlib
 import logging
 import os
 import tempfile
@@ -23,8 +22,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.tensor import DTensor
 
 from dmd2.convert import samples_to_train_pairs
 from dmd2.failures import NonFiniteError
@@ -46,6 +43,7 @@ from infra.trainers.payloads import get_record, put_record
 from infra.trainers.prepare import load_prepared
 from infra.store import ArtifactRef, ArtifactStore
 from infra.trainers.checkpoint import checkpoint_key, load_checkpoint, rng_state, save_checkpoint
+from infra.trainers.sharded import state_digest
 from infra.trainers.configs import TrainerConfig
 from infra.tracking.system import SystemMetrics
 
@@ -355,8 +353,7 @@ class RankWorker:
         """The family's export of the student (e.g. a diffusers directory) -> ``<run_id>/student/<step>``."""
         with self._in_use(), self._student_weights(), self._unsharded() as student:
             def work() -> ArtifactRef:
-                problem = non_finite(student.state_dict().items())
-                if problem:
+                if problem := non_finite(student.state_dict().items()):
                     raise NonFiniteError(f"the student of step {step} was not exported: {problem}")
                 key = f"{run_id}/student/{step}"
                 self.store.discard_dir(key)  # left by an export cut short (a run's result names its export)
@@ -392,24 +389,9 @@ class RankWorker:
         yield unsharded_copy(self.module, state).to(self.device) if self.rank == 0 else None
 
     def state_digest(self) -> str:
-        """sha256 of the group's whole weights, optimizer state and EMA, keyed by parameter name, the same
-        under DDP and FSDP at any world size (bitwise comparisons in tests and checks). Collective."""
+        """`infra.trainers.sharded.state_digest` of the group's model, optimizer and EMA. Collective."""
         with self._in_use():
-            options = StateDictOptions(full_state_dict=True)
-            tensors = dict(get_model_state_dict(self.module, options=options))
-            if self.state.optimizer.state:  # asked of an optimizer without state, torch would make some (a step)
-                optimizer_state = get_optimizer_state_dict(self.module, self.state.optimizer, options=options)
-                for name, values in optimizer_state["state"].items():
-                    tensors.update({f"optimizer.{name}.{key}": value for key, value in values.items()})
-            if self.state.ema is not None:  # whole tensors: gathering a DTensor's is a collective too
-                tensors.update({f"ema.{name}": value.full_tensor() if isinstance(value, DTensor) else value
-                                for name, value in self.state.ema.state_dict().items()})
-            digest = hashlib.sha256()
-            for name in sorted(tensors):
-                # A copy: exporting a tensor to numpy pins its storage's size for good, and sleep resizes it.
-                tensor = tensors[name].detach().cpu().clone().reshape(-1)
-                digest.update(name.encode() + tensor.view(torch.uint8).numpy().tobytes())
-            return digest.hexdigest()
+            return state_digest(self.module, self.state.optimizer, self.state.ema and self.state.ema.state_dict())
 
     def shutdown(self) -> None:
         if self._system_metrics is not None:

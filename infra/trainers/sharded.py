@@ -21,6 +21,7 @@ them, with `weights_only=True`); here only tensors go through DCP, its metadata 
 files are safetensors read with `safe_open`, so loading never unpickles anything.
 """
 
+import hashlib
 import json
 import warnings
 from contextlib import contextmanager
@@ -37,7 +38,9 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, Seriali
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     get_state_dict, set_state_dict)
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 METADATA_NAME = "dcp_metadata.json"
@@ -236,3 +239,21 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optim"]["state"], "param_groups": saved_groups},
                    options=StateDictOptions(strict=_trained_names(model) is None))  # frozen weights: not in it
+
+
+def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer, ema: dict[str, Tensor] | None = None) -> str:
+    """sha256 of the whole weights, optimizer state and EMA, keyed by parameter name: the same under DDP
+    and FSDP at any world size (bitwise comparisons in tests and checks). Collective under FSDP."""
+    options = StateDictOptions(full_state_dict=True)
+    tensors = dict(get_model_state_dict(model, options=options))
+    if optimizer.state:  # asked of an optimizer without state, torch would make some (a step)
+        for name, values in get_optimizer_state_dict(model, optimizer, options=options)["state"].items():
+            tensors.update({f"optimizer.{name}.{key}": value for key, value in values.items()})
+    for name, value in (ema or {}).items():  # whole tensors: gathering a DTensor's is a collective too
+        tensors[f"ema.{name}"] = value.full_tensor() if isinstance(value, DTensor) else value
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        # A copy: exporting a tensor to numpy pins its storage's size for good, and sleep resizes it.
+        tensor = tensors[name].detach().cpu().clone().reshape(-1)
+        digest.update(name.encode() + tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
