@@ -92,6 +92,10 @@ class DMD2Config:
     score_sigma_range: tuple[float, float] = option(
         (0.02, 0.98), "Unshifted sigma range of the scored samples (tianweiy/DMD2's 2-98%)."
     )
+    stop_weights: tuple[float, ...] = option(
+        (), "Backward simulation's odds of each of the student's N steps as the one a sample stops at and trains "
+            "on (N weights, e.g. [1, 2, 3, 4]: the last step 4x the first); empty: uniform, as in DMD2."
+    )
     critic_loss_space: str = option("velocity", "Space of the critic's loss: `velocity` or `x0`.")
     critic_scoring: str = option(
         "fused", "`fused`: score from the critic's last training forward; `original`: separate draw before it."
@@ -414,6 +418,10 @@ def _validate_dmd2(config: DistillConfig) -> None:
            f"[dmd2] teacher_guidance_scale must be >= 1 (1 = unguided), got {dmd2.teacher_guidance_scale}")
     low, high = dmd2.score_sigma_range
     _check(0 <= low < high <= 1, f"[dmd2] score_sigma_range must satisfy 0 <= min < max <= 1, got {(low, high)}")
+    weights, steps = dmd2.stop_weights, config.student.num_steps
+    _check(not weights or (len(weights) == steps and min(weights) >= 0 and sum(weights) > 0),
+           f"[dmd2] stop_weights must be empty (uniform) or {steps} weights >= 0, one per student step "
+           f"([student] num_steps), not all 0; got {list(weights)}")
     _check(config.student.guidance_scale == 1.0, "[student] guidance_scale must be 1 under DMD2: the student "
                                                  "learns the guided teacher and samples unguided")
     _check(dmd2.actor_steps_per_rollout == 1,

@@ -18,6 +18,7 @@ class RolloutPlan:
     sample_shape: tuple[int, ...]
     num_steps: int
     shift: float
+    stop_weights: tuple[float, ...] = ()  # backward simulation's odds per stop step; empty: uniform
 
     @property
     def draws(self) -> RolloutDraws:
@@ -35,4 +36,5 @@ def rollout_plan(config: DistillConfig, rollout_id: int, sample_shape: tuple[int
         sample_shape=tuple(sample_shape),
         num_steps=config.student.num_steps,
         shift=config.student.grid_shift,
+        stop_weights=tuple(config.dmd2.stop_weights),
     )

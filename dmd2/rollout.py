@@ -1,7 +1,7 @@
 """The student's few-step rollout with backward simulation (DMD2, Yin et al. 2024, §4.5).
 
 DMD2 trains the student at every step of its own sampler: per sample a stop index i ~ U{0..N-1} is
-drawn, the student runs its steps before i (no grad), and the pair at step i — its input `x_i` and its
+drawn (or with `[dmd2] stop_weights`' odds), the student runs its steps before i (no grad), and the pair at step i — its input `x_i` and its
 prediction `x0_hat_i` — is what the critic and the generator train on. The student's sampler predicts
 x0 and re-noises it to the next grid sigma with fresh noise (consistency-style multistep sampling).
 """
@@ -91,6 +91,19 @@ def backward_simulate(
     return x_i, x0_hat, sigma_i
 
 
+def stop_indices(plan: RolloutPlan, rows: Tensor) -> Tensor:
+    """Each sample's stop step i [M]: uniform over the N steps, or with P(i) proportional to
+    `plan.stop_weights[i]`, by the inverse CDF of the sample's own uniform draw.
+
+    Weighting the later steps trains more often where the student's final output is made: every step's
+    sample reaches the output through the steps after it, the last step's directly."""
+    if not plan.stop_weights:
+        return plan.draws.integers("stop", plan.num_steps, rows)
+    weights = torch.tensor(plan.stop_weights, dtype=torch.float64)
+    cdf = (weights.cumsum(0) / weights.sum())[:-1]
+    return torch.bucketize(plan.draws.uniform("stop", rows).double(), cdf, right=True)
+
+
 def rollout_shard(student: VelocityFn, conds: CondSource, plan: RolloutPlan, rank: int,
                   device: torch.device | str = "cpu", lockstep: bool = False) -> RolloutSamples:
     """Backward-simulated student samples for this rank's K*B rows of the rollout's global batch.
@@ -98,7 +111,7 @@ def rollout_shard(student: VelocityFn, conds: CondSource, plan: RolloutPlan, ran
     Every tensor is made on ``device`` (the student's) and stays there; ``lockstep``: see `backward_simulate`.
     """
     draws, rows = plan.draws, shard_rows(rank, plan.world_size, plan.critic_steps, plan.batch)
-    stop_index = draws.integers("stop", plan.num_steps, rows)
+    stop_index = stop_indices(plan, rows)
     noise = draws.normal("noise", rows, plan.sample_shape, device)
     renoise = [draws.normal(f"renoise/{j}", rows, plan.sample_shape, device) for j in range(plan.num_steps - 1)]
     renoise = torch.stack(renoise) if renoise else noise.new_empty((0, *noise.shape))

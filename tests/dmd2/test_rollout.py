@@ -97,3 +97,37 @@ def test_lockstep_makes_one_call_per_grid_step_and_changes_no_sample():
     assert locked.seen[2:] == [[0], [0]]  # the idle steps run one row, whose result is dropped
     for one, two in zip(expected, got):
         assert torch.equal(one, two)
+
+
+def _plan(stop_weights, world_size=1):
+    from dmd2.plan import RolloutPlan
+
+    return RolloutPlan(seed=3, rollout_id=7, world_size=world_size, critic_steps=4, batch=1000 // world_size,
+                       sample_shape=(1, 2, 2), num_steps=4, shift=1.0, stop_weights=stop_weights)
+
+
+def test_weighted_stop_steps_follow_their_weights_whatever_the_world_size():
+    from dmd2.draws import shard_rows
+    from dmd2.rollout import stop_indices
+
+    plan = _plan((1.0, 2.0, 3.0, 4.0))
+    rows = shard_rows(0, 1, plan.critic_steps, plan.batch)
+    stops = stop_indices(plan, rows)
+    frequencies = torch.bincount(stops, minlength=4).double() / len(stops)
+    # 4000 draws: each frequency is within 4 standard errors (sqrt(p(1-p)/n) <= 0.008) of i+1 / 10
+    assert torch.allclose(frequencies, torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64), atol=0.032)
+    halves = [stop_indices(_plan(plan.stop_weights, 2), shard_rows(rank, 2, plan.critic_steps, plan.batch // 2))
+              for rank in (0, 1)]
+    by_sample = dict(zip(rows.tolist(), stops.tolist()))
+    for rank, half in enumerate(halves):
+        assert half.tolist() == [by_sample[i] for i in shard_rows(rank, 2, plan.critic_steps, plan.batch // 2).tolist()]
+
+
+def test_a_zero_weight_step_is_never_a_stop_and_no_weights_is_the_uniform_draw():
+    from dmd2.draws import shard_rows
+    from dmd2.rollout import stop_indices
+
+    rows = shard_rows(0, 1, 4, 1000)
+    assert set(stop_indices(_plan((0.0, 1.0, 0.0, 1.0)), rows).tolist()) == {1, 3}
+    uniform = _plan(())
+    assert torch.equal(stop_indices(uniform, rows), uniform.draws.integers("stop", 4, rows))
