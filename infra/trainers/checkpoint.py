@@ -106,7 +106,7 @@ def save_checkpoint(store: ArtifactStore, key: str, model: nn.Module, optimizer:
         folder = Path(tmp) / "checkpoint"
 
         def prepare() -> None:
-            problem = _non_finite_state(model, optimizer)  # the optimizer step's guard makes this rare
+            problem = _non_finite_state(model, optimizer, ema)  # the optimizer step's guard makes this rare
             if problem:
                 raise NonFiniteError(f"the checkpoint {store.uri(key)} was not written: {problem}")
             store.discard_dir(own_key)
@@ -126,12 +126,13 @@ def save_checkpoint(store: ArtifactStore, key: str, model: nn.Module, optimizer:
         return store.put_dir(key, folder)
 
 
-def _non_finite_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
-    """This rank's first weight or optimizer-state tensor holding a NaN or an infinity, described."""
+def _non_finite_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: ParameterEMA | None) -> str | None:
+    """This rank's first weight, optimizer-state or EMA tensor holding a NaN or an infinity, described."""
     names = {param: name for name, param in model.named_parameters()}
     named = [(name, local(param)) for param, name in names.items()]
     named += [(f"optimizer {key} of {names.get(param, '?')}", local(value))
               for param, state in optimizer.state.items() for key, value in state.items() if isinstance(value, Tensor)]
+    named += [(f"EMA of {name}", local(value)) for name, value in (ema.state_dict() if ema else {}).items()]
     return non_finite(named)
 
 

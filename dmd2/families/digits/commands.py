@@ -64,10 +64,23 @@ def _sample(args: argparse.Namespace) -> int:
     return 0
 
 
+# The table's student variants: each recipe as it is, and with one of DMD2's optional parts on top.
+TABLE_VARIANTS = {
+    "recipe": ("", []),
+    "ema": (", EMA 0.95", ["student.ema_decay=0.95"]),
+    "gan": (", GAN 1e-2 / 3e-3", ["dmd2.critic_gan_weight=1e-2", "dmd2.gan_weight=3e-3"]),
+    "lora": (", LoRA rank 8", ["student.lora_rank=8"]),
+}
+
+
 def _table_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", action="append", type=Path,
                         help="a DMD2 recipe to distill (repeatable; default: recipes/digits-4step.toml and "
                              "recipes/digits-1step.toml)")
+    parser.add_argument("--variants", default=",".join(TABLE_VARIANTS),
+                        help="which students of each recipe get a row, comma-separated: " + ", ".join(
+                            f"{name} (recipe{label or ' as it is'})" for name, (label, _) in TABLE_VARIANTS.items())
+                        + " (default: all; each 4-step student takes minutes)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a recipe option in every recipe, e.g. --set train.rollouts=50 (repeatable)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
@@ -77,17 +90,24 @@ def _table_args(parser: argparse.ArgumentParser) -> None:
 def _table(args: argparse.Namespace) -> int:
     import torch
 
-    from dmd2.config import load_recipe, parse_overrides
+    from dmd2.config import ConfigError, load_recipe, parse_overrides
     from dmd2.families.digits.family import DigitsFamily
-    from dmd2.families.digits.table import quality_table
+    from dmd2.families.digits.table import DISTILL_SECONDS, quality_table
     from dmd2.report import format_table
 
+    variants = [name.strip() for name in args.variants.split(",") if name.strip()]
+    unknown = [name for name in variants if name not in TABLE_VARIANTS]
+    if unknown or not variants:
+        raise ConfigError(f"--variants {args.variants!r}: choose from {', '.join(TABLE_VARIANTS)}")
     torch.set_num_threads(args.threads)
-    overrides = parse_overrides(args.overrides)
     recipes = {}
     for path in args.recipe or [RECIPES / "digits-4step.toml", RECIPES / "digits-1step.toml"]:
-        recipes[f"DMD2 student ({Path(path).stem})"] = load_recipe(path, overrides)
-    print(format_table(quality_table(recipes, args.cache_dir), DigitsFamily.report_columns))
+        for name in variants:
+            label, sets = TABLE_VARIANTS[name]
+            row = f"DMD2 student ({Path(path).stem}{label})"
+            recipes[row] = load_recipe(path, parse_overrides(sets + args.overrides))
+    columns = DigitsFamily.report_columns | {DISTILL_SECONDS: "wall s"}
+    print(format_table(quality_table(recipes, args.cache_dir), columns))
     return 0
 
 

@@ -4,6 +4,7 @@ submodule of the critic (dmd2/gan.py), so a resumed critic takes the same next s
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -85,3 +86,21 @@ def test_a_sleeping_critic_parks_its_gan_head_and_wakes_bit_identical():
     parked.restore()
     after = full_state(state)
     assert all(torch.equal(after[key], before[key]) for key in before)
+
+
+def test_a_student_whose_ema_went_non_finite_is_not_checkpointed(tmp_path):
+    from dmd2.ema import ParameterEMA
+    from dmd2.failures import NonFiniteError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        store = ArtifactStore((tmp_path / "store").as_uri())
+        state = critic_state(seed=0)
+        ema = ParameterEMA(state.model, decay=0.9)
+        ema.state_dict()["conv_in.weight"].view(-1)[3] = float("inf")
+        with pytest.raises(NonFiniteError, match="EMA of conv_in.weight"):
+            save_checkpoint(store, "run/checkpoints/1", state.model, state.optimizer, state.scheduler, [],
+                            {"role": "actor"}, None, ema)
+        assert not list((tmp_path / "store").rglob("*.distcp"))  # nothing of it was written
+    finally:
+        dist.destroy_process_group()
