@@ -1,20 +1,19 @@
 """Recipe search for the digits students (issue 14): distill named variants in process, score each on the yardstick.
 
 Every variant is a base recipe (4step or 1step) with `--set`-style overrides (parsed by dmd2.config's own
-`parse_overrides`, applied by `load_recipe`), optionally with an algorithm patch of this script (a change
-to backward simulation tried without editing dmd2/, see PATCHES). The teacher and evaluator are the
-cached ones `dmd2 table` uses (dmd2.family.default_cache_dir(), pretrained on first use); the yardstick
-(1000 samples, the teacher's 32-step guided reference) is built once. One row per variant is printed as
-it finishes (fidelity = FD vs the teacher's 32-step samples, FD vs real, class accuracy, wall seconds of
-the distillation), and appended as JSON to --jsonl.
+`parse_overrides`, applied by `load_recipe`), e.g. `dmd2.stop_weights=[1,2,4,8]` to weight backward
+simulation's stop steps. The teacher and evaluator are the cached ones `dmd2 table` uses
+(dmd2.family.default_cache_dir(), pretrained on first use); the yardstick (1000 samples, the teacher's 32-step
+guided reference) is built once. One row per variant is printed as it finishes (fidelity = FD vs the teacher's
+32-step samples, FD vs real, class accuracy, wall seconds of the distillation), and appended as JSON to
+--jsonl.
 
     .venv/bin/python bench/recipe_search.py --list
     .venv/bin/python bench/recipe_search.py --variants base4,lr1e-4 --threads 1
-    .venv/bin/python bench/recipe_search.py --custom 'mine|4step|optim.lr=1e-4 dmd2.critic_loss_space=x0'
+    .venv/bin/python bench/recipe_search.py --custom 'mine|4step|optim.lr=1e-4 dmd2.stop_weights=[1,2,4,8]'
 """
 
 import argparse
-import contextlib
 import copy
 import json
 import sys
@@ -26,110 +25,64 @@ sys.path.insert(0, str(REPO))
 
 RECIPES = {"4step": REPO / "recipes" / "digits-4step.toml", "1step": REPO / "recipes" / "digits-1step.toml"}
 
-# name -> (base recipe, overrides as --set assignments, algorithm patch or None)
-VARIANTS: dict[str, tuple[str, list[str], str | None]] = {
-    "base4": ("4step", [], None),
-    "base1": ("1step", [], None),
+# name -> (base recipe, overrides as --set assignments)
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "base4": ("4step", []),
+    "base1": ("1step", []),
     # the actor's and the critic's learning rates
-    "lr1e-4": ("4step", ["optim.lr=1e-4"], None),
-    "lr2e-4": ("4step", ["optim.lr=2e-4"], None),
-    "clr1e-4": ("4step", ["optim.critic_lr=1e-4"], None),
-    "clr4e-4": ("4step", ["optim.critic_lr=4e-4"], None),
+    "lr1e-4": ("4step", ["optim.lr=1e-4"]),
+    "lr2e-4": ("4step", ["optim.lr=2e-4"]),
+    "clr1e-4": ("4step", ["optim.critic_lr=1e-4"]),
+    "clr4e-4": ("4step", ["optim.critic_lr=4e-4"]),
     # the critic
-    "K2": ("4step", ["dmd2.critic_steps_per_rollout=2"], None),
-    "K10": ("4step", ["dmd2.critic_steps_per_rollout=10"], None),
-    "x0space": ("4step", ["dmd2.critic_loss_space=x0"], None),
-    "logitnormal": ("4step", ["dmd2.critic_sigma_sampling=logit_normal"], None),
-    "original": ("4step", ["dmd2.critic_scoring=original"], None),
-    "ssr-lo": ("4step", ["dmd2.score_sigma_range=[0.02, 0.5]"], None),
-    "ssr-hi": ("4step", ["dmd2.score_sigma_range=[0.2, 0.98]"], None),
+    "K2": ("4step", ["dmd2.critic_steps_per_rollout=2"]),
+    "K10": ("4step", ["dmd2.critic_steps_per_rollout=10"]),
+    "x0space": ("4step", ["dmd2.critic_loss_space=x0"]),
+    "logitnormal": ("4step", ["dmd2.critic_sigma_sampling=logit_normal"]),
+    "original": ("4step", ["dmd2.critic_scoring=original"]),
+    "ssr-lo": ("4step", ["dmd2.score_sigma_range=[0.02, 0.5]"]),
+    "ssr-hi": ("4step", ["dmd2.score_sigma_range=[0.2, 0.98]"]),
     # more, smaller rollouts for the same samples (rollouts x batch constant)
-    "r500b80": ("4step", ["train.rollouts=500", "train.rollout_batch_size=80"], None),
-    "r500b80-lr1e-4": ("4step", ["train.rollouts=500", "train.rollout_batch_size=80", "optim.lr=1e-4"], None),
-    # backward simulation: stop steps weighted towards the last step (PATCHES)
-    "stoplast": ("4step", [], "stop_linear"),
-    "stophalf": ("4step", [], "stop_last_half"),
-    "stopgeo": ("4step", [], "stop_geometric"),
-    "stopgeo-r220": ("4step", ["train.rollouts=220"], "stop_geometric"),
+    "r500b80": ("4step", ["train.rollouts=500", "train.rollout_batch_size=80"]),
+    "r500b80-lr1e-4": ("4step", ["train.rollouts=500", "train.rollout_batch_size=80", "optim.lr=1e-4"]),
+    # backward simulation: stop steps weighted towards the last step (`[dmd2] stop_weights`)
+    "stoplast": ("4step", ["dmd2.stop_weights=[1,2,3,4]"]),
+    "stophalf": ("4step", ["dmd2.stop_weights=[1,1,1,3]"]),
+    "stopgeo": ("4step", ["dmd2.stop_weights=[1,2,4,8]"]),
+    "stopgeo-r220": ("4step", ["dmd2.stop_weights=[1,2,4,8]", "train.rollouts=220"]),
+    "stopgeo-seed1": ("4step", ["dmd2.stop_weights=[1,2,4,8]", "train.seed=1"]),
     # the student's grid: shift < 1 spends more steps at low noise
-    "shift0.5": ("4step", ["student.shift=0.5"], None),
-    "shift2": ("4step", ["student.shift=2.0"], None),
-    "stoplast-lr1e-4": ("4step", ["optim.lr=1e-4"], "stop_linear"),
+    "shift0.5": ("4step", ["student.shift=0.5"]),
+    "shift2": ("4step", ["student.shift=2.0"]),
+    "stoplast-lr1e-4": ("4step", ["dmd2.stop_weights=[1,2,3,4]", "optim.lr=1e-4"]),
     # the student's EMA (`[student] ema_decay`) and the GAN head (`[dmd2] gan_weight`, `critic_gan_weight`)
-    "ema0.9": ("4step", ["student.ema_decay=0.9"], None),
-    "ema0.95": ("4step", ["student.ema_decay=0.95"], None),
-    "ema0.99": ("4step", ["student.ema_decay=0.99"], None),
-    "gan3e-3": ("4step", ["dmd2.critic_gan_weight=1e-2", "dmd2.gan_weight=3e-3"], None),
-    "gan3e-2": ("4step", ["dmd2.critic_gan_weight=1e-2", "dmd2.gan_weight=3e-2"], None),
+    "ema0.9": ("4step", ["student.ema_decay=0.9"]),
+    "ema0.95": ("4step", ["student.ema_decay=0.95"]),
+    "ema0.99": ("4step", ["student.ema_decay=0.99"]),
+    "gan3e-3": ("4step", ["dmd2.critic_gan_weight=1e-2", "dmd2.gan_weight=3e-3"]),
+    "gan3e-2": ("4step", ["dmd2.critic_gan_weight=1e-2", "dmd2.gan_weight=3e-2"]),
+    # combinations with the geometric stop weights, and seeds
+    "geo+ema0.9": ("4step", ["dmd2.stop_weights=[1,2,4,8]", "student.ema_decay=0.9"]),
+    "geo+gan": ("4step", ["dmd2.stop_weights=[1,2,4,8]", "dmd2.critic_gan_weight=1e-2", "dmd2.gan_weight=3e-3"]),
+    "base4-seed1": ("4step", ["train.seed=1"]),
     # the 1-step student
-    "1step-lr2e-4": ("1step", ["optim.lr=2e-4"], None),
-    "1step-clr2e-4": ("1step", ["optim.critic_lr=2e-4"], None),
+    "1step-lr2e-4": ("1step", ["optim.lr=2e-4"]),
+    "1step-clr2e-4": ("1step", ["optim.critic_lr=2e-4"]),
 }
 
 
-def _weighted_stops(weights: list[float]):
-    """A `dmd2.loop.rollout_shard` replacement whose stop index i is drawn with P(i) ∝ weights[i]
-    (by inverse CDF of the plan's own per-sample uniform stream "stop"), instead of uniformly."""
-    import torch
-
-    import dmd2.rollout as rollout
-    from dmd2.draws import shard_rows
-    from dmd2.schedule import student_sigmas
-
-    def rollout_shard(student, conds, plan, rank, device="cpu", lockstep=False):
-        draws, rows = plan.draws, shard_rows(rank, plan.world_size, plan.critic_steps, plan.batch)
-        w = torch.tensor(weights[: plan.num_steps] if len(weights) >= plan.num_steps else [1.0] * plan.num_steps,
-                         dtype=torch.float64)
-        cdf = (w.cumsum(0) / w.sum())[:-1]
-        stop_index = torch.bucketize(draws.uniform("stop", rows).double(), cdf, right=True).to(torch.int64)
-        noise = draws.normal("noise", rows, plan.sample_shape, device)
-        renoise = [draws.normal(f"renoise/{j}", rows, plan.sample_shape, device) for j in range(plan.num_steps - 1)]
-        renoise = torch.stack(renoise) if renoise else noise.new_empty((0, *noise.shape))
-        cond, neg_cond = conds(draws, rows)
-        sigmas = student_sigmas(plan.num_steps, plan.shift)
-        x_i, x0_hat, sigma = rollout.backward_simulate(student, noise, sigmas, stop_index, cond, renoise, lockstep)
-        return rollout.RolloutSamples(x_i, x0_hat, sigma, stop_index, cond, neg_cond, rows)
-
-    return rollout_shard
-
-
-PATCHES = {
-    "stop_linear": lambda: _weighted_stops([1.0, 2.0, 3.0, 4.0]),  # P(i) = (i+1)/10 for 4 steps
-    "stop_last_half": lambda: _weighted_stops([1.0, 1.0, 1.0, 3.0]),  # half the samples on the last step
-    "stop_geometric": lambda: _weighted_stops([1.0, 2.0, 4.0, 8.0]),  # P(i) = 2^i / 15
-}
-
-
-@contextlib.contextmanager
-def patched(name: str | None):
-    import dmd2.loop as loop
-
-    if name is None:
-        yield
-        return
-    original = loop.rollout_shard
-    loop.rollout_shard = PATCHES[name]()
-    try:
-        yield
-    finally:
-        loop.rollout_shard = original
-
-
-def parse_custom(text: str) -> tuple[str, tuple[str, list[str], str | None]]:
-    """'name|4step|a.b=1 c.d=x|patch' -> (name, (recipe, overrides, patch))."""
+def parse_custom(text: str) -> tuple[str, tuple[str, list[str]]]:
+    """'name|4step|a.b=1 c.d=x' -> (name, (recipe, overrides))."""
     parts = text.split("|")
-    if len(parts) not in (3, 4) or parts[1] not in RECIPES:
-        raise SystemExit(f"--custom {text!r}: write NAME|4step or 1step|SECTION.KEY=VALUE ...[|PATCH]")
-    patch = parts[3] if len(parts) == 4 and parts[3] else None
-    if patch is not None and patch not in PATCHES:
-        raise SystemExit(f"--custom {text!r}: unknown patch {patch!r}; patches are {list(PATCHES)}")
-    return parts[0], (parts[1], parts[2].split(), patch)
+    if len(parts) != 3 or parts[1] not in RECIPES:
+        raise SystemExit(f"--custom {text!r}: write NAME|4step or 1step|SECTION.KEY=VALUE ...")
+    return parts[0], (parts[1], parts[2].split())
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="base4,base1", help="comma-separated names of VARIANTS (see --list)")
-    parser.add_argument("--custom", action="append", default=[], metavar="NAME|RECIPE|OVERRIDES[|PATCH]",
+    parser.add_argument("--custom", action="append", default=[], metavar="NAME|RECIPE|OVERRIDES",
                         help="an extra variant: overrides are space-separated SECTION.KEY=VALUE (repeatable)")
     parser.add_argument("--list", action="store_true", help="print the built-in variants and exit")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
@@ -141,8 +94,8 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.list:
-        for name, (recipe, sets, patch) in VARIANTS.items():
-            print(f"{name:18s} {recipe}  {' '.join(sets) or '-'}" + (f"  patch={patch}" if patch else ""))
+        for name, (recipe, sets) in VARIANTS.items():
+            print(f"{name:18s} {recipe}  {' '.join(sets) or '-'}")
         return 0
     todo = {}
     for name in filter(None, args.variants.split(",")):
@@ -164,8 +117,8 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     cache_dir = args.cache_dir or default_cache_dir()
-    configs = {name: (load_recipe(RECIPES[recipe], parse_overrides(sets)), sets, patch)
-               for name, (recipe, sets, patch) in todo.items()}  # every recipe validated before any work
+    configs = {name: (load_recipe(RECIPES[recipe], parse_overrides(sets)), sets)
+               for name, (recipe, sets) in todo.items()}  # every recipe validated before any work
 
     first = load_recipe(RECIPES["4step"])
     started = time.monotonic()
@@ -178,22 +131,21 @@ def main() -> int:
     print(f"# yardstick built in {time.monotonic() - started:.0f} s; {args.threads} thread(s)", flush=True)
     print("| variant | steps | overrides | fidelity | FD vs real | accuracy | wall s |", flush=True)
     print("|---|---:|---|---:|---:|---:|---:|", flush=True)
-    for name, (config, sets, patch) in configs.items():
+    for name, (config, sets) in configs.items():
         if config.dmd2.teacher_guidance_scale != first.dmd2.teacher_guidance_scale:
             raise SystemExit(f"{name}: the yardstick's reference uses guidance {first.dmd2.teacher_guidance_scale}")
         began = time.monotonic()
-        with patched(patch):
-            student = _distill(config, copy.deepcopy(teacher), cache_dir, name)
+        student = _distill(config, copy.deepcopy(teacher), cache_dir, name)
         wall = time.monotonic() - began
         if args.save_dir is not None:
             student.save_pretrained(str(args.save_dir / name))
         scores = yardstick.score_model(DiffusersVelocity(student), sampler="student",
                                        num_steps=config.student.num_steps, shift=config.student.grid_shift)
-        shown = " ".join(sets) + (f" patch={patch}" if patch else "")
+        shown = " ".join(sets)
         print(f"| {name} | {config.student.num_steps} | {shown or '-'} | {scores['fd_teacher']:.2f} | "
               f"{scores['fd_real']:.2f} | {scores['accuracy']:.3f} | {wall:.0f} |", flush=True)
         with args.jsonl.open("a") as f:
-            f.write(json.dumps({"variant": name, "steps": config.student.num_steps, "overrides": sets, "patch": patch,
+            f.write(json.dumps({"variant": name, "steps": config.student.num_steps, "overrides": sets,
                                 "threads": args.threads, "wall_s": round(wall, 1), **scores}) + "\n")
     return 0
 
