@@ -12,17 +12,12 @@ Recipe options can be overridden on the command line: --set SECTION.KEY=VALUE (r
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
-# A local Prefect server's telemetry only fails on a machine without internet, and Prefect logs every
-# task run at INFO: the run prints its own progress. Both stay settable from the environment.
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-# Without PREFECT_API_URL the run starts its own Prefect server, which in a fresh PREFECT_HOME first
-# migrates its database: 10-30 s on a busy two-core machine, past Prefect's default 20 s wait.
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+from flows.prefect_env import apply_defaults  # first: before anything imports Prefect
+
+apply_defaults()
 
 from dmd2.config import ConfigError  # noqa: E402
 from dmd2.failures import RunError  # noqa: E402

@@ -17,6 +17,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from dmd2.config import ConfigError, DistillConfig, config_to_dict
 from dmd2.failures import RunError
@@ -231,9 +232,9 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
     evaluation = None
     with progress_bar(total, f"distill {run_id}", initial=start, unit="rollout") as bar:
         for rollout_id in range(start, total):
-            metrics = rollout_flow(run_id, rollout_id)
+            metrics = _rollout(run_id, rollout_id)
             lease.check()  # still this run's id (renewed in the background), before it logs or writes more
-            tracker.log_metrics(rollout_id, train_metric_names(metrics))
+            tracker.queue_metrics(rollout_id, train_metric_names(metrics))  # sent every few seconds
             store.prune(run_id, keep_last=train.keep_rollouts)  # the next rollout reads none of them
             done = rollout_id + 1
             if _due(done, train.save_interval, total):
@@ -244,6 +245,14 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
     if evaluation is None:  # resumed from the last checkpoint: score the restored student once more
         evaluation = _evaluate(run_id, store, tracker, step=total - 1, final=True)
     return evaluation.scores, evaluation.media, evaluation.baselines
+
+
+def _rollout(run_id: str, rollout_id: int) -> dict[str, float]:
+    """One rollout flow run, without a heartbeat of its own: it runs in this flow run's process, whose
+    heartbeat already tells Prefect the process is alive, and a second heartbeat thread per rollout
+    costs up to a second to stop (it sleeps in 1 s ticks) at every rollout's end."""
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        return rollout_flow(run_id, rollout_id)
 
 
 def _evaluate(run_id: str, store: ArtifactStore, tracker: RunTracker, step: int, final: bool):

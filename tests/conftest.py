@@ -4,13 +4,17 @@ settings already in the environment, so its workers inherit them."""
 
 from pathlib import Path
 
-import boto3
-import pytest
-import ray
-from prefect.testing.utilities import prefect_test_harness
+from flows.prefect_env import apply_defaults
 
-from tests.infra.conftest import BUCKET, REGION, MotoServer, aws_test_settings
-from tests.infra.trainers.ray_fixtures import tiny_teacher  # noqa: F401  (a fixture)
+apply_defaults()  # before Prefect is imported: the tests' Prefect client and server are set up as dmd2's
+
+import boto3  # noqa: E402
+import pytest  # noqa: E402
+import ray  # noqa: E402
+from prefect.testing.utilities import prefect_test_harness  # noqa: E402
+
+from tests.infra.conftest import BUCKET, REGION, MotoServer, aws_test_settings  # noqa: E402
+from tests.infra.trainers.ray_fixtures import tiny_teacher  # noqa: E402, F401  (a fixture)
 
 
 @pytest.fixture(scope="session")

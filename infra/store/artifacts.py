@@ -94,16 +94,21 @@ class ArtifactStore:
 
     # -- tensors and JSON ----------------------------------------------------------------------
 
-    def put_tensors(self, key: str, tensors: Mapping[str, torch.Tensor]) -> ArtifactRef:
+    def put_tensors(self, key: str, tensors: Mapping[str, torch.Tensor], durable: bool = True) -> ArtifactRef:
         """Store a dict of tensors as one safetensors object at ``key``; overwrites atomically.
 
         Any dtype of ``infra.store.tensors.DTYPE_NAMES`` (fp32, bf16, fp16, int64, ...); tensors must be
         contiguous and must not share memory (safetensors' rules), and must not change until
         this returns. Returns the ref to hand on.
+
+        ``durable=False`` is for objects that are made again after a machine crash (a rollout's payloads,
+        from the last checkpoint): the write is still atomic, but the file:// backend does not wait for
+        the disk (fsync), so a crash may lose it; it never leaves a torn object under the key, as the
+        digest in its ref would catch one.
         """
         validate_key(key)
         with self._refused_writes(key):
-            digest, nbytes = self._backend.write_tensors(key, dict(tensors))
+            digest, nbytes = self._backend.write_tensors(key, dict(tensors), durable)
         return self._new_ref(key, digest, nbytes, "tensors")
 
     def get_tensors(self, ref: ArtifactRef, device: str = "cpu") -> dict[str, torch.Tensor]:

@@ -3,7 +3,8 @@
 Atomicity comes from rename: a file is written under a hidden temporary name in its final folder
 and moved into place with ``os.replace``; a directory is assembled in a hidden staging folder
 next to its final place (manifest last) and renamed into place in one step. Data and the
-renames are fsynced, so a machine crash cannot leave a visible but torn object behind.
+renames are fsynced, so a machine crash cannot leave a visible but torn object behind; only the
+writes a caller marks not durable (objects it makes again after a crash) skip the fsyncs.
 
 Conditional writes (the run lease, ``infra.store.lease``): create-if-absent hard-links a fully
 written hidden file into place (``link(2)`` refuses an existing name, so one creator wins);
@@ -51,12 +52,14 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def _write_durably(path: str, fill: Callable[[BinaryIO], T]) -> T:
-    """Create ``path`` (must not be visible to readers yet), let ``fill(file)`` write it, fsync."""
+def _write_durably(path: str, fill: Callable[[BinaryIO], T], durable: bool = True) -> T:
+    """Create ``path`` (must not be visible to readers yet), let ``fill(file)`` write it, fsync
+    unless not ``durable``."""
     with open(path, "xb") as file:
         result = fill(file)
         file.flush()
-        os.fsync(file.fileno())
+        if durable:
+            os.fsync(file.fileno())
     return result
 
 
@@ -92,18 +95,19 @@ class LocalBackend:
         """Store ``data`` at ``key`` atomically; return its digest."""
         return self._write_atomically(key, [data])
 
-    def write_tensors(self, key: str, tensors: dict) -> tuple[str, int]:
+    def write_tensors(self, key: str, tensors: dict, durable: bool = True) -> tuple[str, int]:
         """Store ``tensors`` as safetensors at ``key`` atomically; return (digest, size).
 
         The file is written straight from the tensors' memory (``store_tensors.serialize``),
-        and the same buffers are hashed meanwhile, so no serialised copy is ever made.
+        and the same buffers are hashed meanwhile, so no serialised copy is ever made. Not ``durable``:
+        neither the file nor its rename is fsynced.
         """
         buffers = store_tensors.serialize(tensors)
-        return self._write_atomically(key, buffers), sum(len(buffer) for buffer in buffers)
+        return self._write_atomically(key, buffers, durable), sum(len(buffer) for buffer in buffers)
 
-    def _write_atomically(self, key: str, buffers: list[Buffer]) -> str:
-        """Store the concatenation of ``buffers`` at ``key``: written to a temp file and fsynced,
-        then renamed into place. Returns its digest, computed on the hashing pool meanwhile."""
+    def _write_atomically(self, key: str, buffers: list[Buffer], durable: bool = True) -> str:
+        """Store the concatenation of ``buffers`` at ``key``: written to a temp file and fsynced (if
+        ``durable``), then renamed into place. Returns its digest, computed on the hashing pool meanwhile."""
         path = self.path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         temp = hidden_sibling(path, "tmp")
@@ -111,13 +115,14 @@ class LocalBackend:
             with PiecewiseSha256() as hasher:
                 for buffer in buffers:
                     hasher.update(buffer)
-                _write_durably(temp, lambda file: file.writelines(buffers))
+                _write_durably(temp, lambda file: file.writelines(buffers), durable)
                 digest = hasher.hexdigest()  # the write and the fsync ran while it was hashed
             os.replace(temp, path)
         except BaseException:
             _remove_quietly(temp)
             raise
-        _fsync_dir(os.path.dirname(path))
+        if durable:
+            _fsync_dir(os.path.dirname(path))
         return digest
 
     def read_bytes(self, key: str) -> bytes:

@@ -221,8 +221,9 @@ class S3Backend:
 
         return self._call("delete", key, delete)
 
-    def write_tensors(self, key: str, tensors: dict) -> tuple[str, int]:
-        """Store ``tensors`` as one safetensors object at ``key``; return (digest, size).
+    def write_tensors(self, key: str, tensors: dict, durable: bool = True) -> tuple[str, int]:
+        """Store ``tensors`` as one safetensors object at ``key``; return (digest, size). A completed
+        S3 put is durable either way.
 
         The file is streamed from the tensors' own memory (``store_tensors.serialize``) in
         multipart blocks, hashed meanwhile: no serialised copy of a large export is ever made.

@@ -24,6 +24,7 @@ RUN_ID_TAG = "dmd2.run_id"
 FLOW_RUN_TAG_PREFIX = "prefect.flow_run."
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
+MAX_BATCH_METRICS = 1000  # MLflow's limit on the metrics of one log_batch request
 
 
 def tracking_uri(explicit: str | None = None) -> str:
@@ -59,6 +60,8 @@ def _logged_images(client: MlflowClient, mlflow_run_id: str) -> set[tuple[str, i
 class RunTracker:
     """The MLflow run of one distill run."""
 
+    batch_seconds = 5.0  # how long queued metrics may wait before they reach MLflow
+
     def __init__(self, client: MlflowClient, mlflow_run_id: str, logged: set[tuple[str, int]],
                  previous_status: str | None = None):
         self.client = client
@@ -66,6 +69,8 @@ class RunTracker:
         self._logged = logged
         self._previous_status = previous_status  # of a resumed run: what a failure that added nothing leaves
         self._wrote = False
+        self._queued: list[Metric] = []  # `queue_metrics`' points not sent yet
+        self._sent_at = time.time()
 
     @classmethod
     def start_or_resume(cls, run_id: str, experiment: str = "dmd2", uri: str | None = None) -> "RunTracker":
@@ -108,18 +113,33 @@ class RunTracker:
         self.client.log_batch(self.mlflow_run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Log metrics at `step`, skipping any (key, step) the run already has."""
-        now = int(time.time() * 1000)
-        fresh = [Metric(k, float(v), now, step) for k, v in metrics.items() if (k, step) not in self._logged]
-        if fresh:
-            self.client.log_batch(self.mlflow_run_id, metrics=fresh)
-            self._logged.update((m.key, step) for m in fresh)
+        """Log metrics at `step` now (with any queued ones), skipping any (key, step) the run already has."""
+        self.queue_metrics(step, metrics)
+        self.flush()
+
+    def queue_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Log metrics at `step` (stamped now) with the next request: one request per `batch_seconds` at
+        most, instead of one per rollout. `log_metrics`, `log_image` and `finish` send the queue first."""
+        now = time.time()
+        self._queued.extend(Metric(k, float(v), int(now * 1000), step) for k, v in metrics.items()
+                            if (k, step) not in self._logged)
+        self._logged.update((k, step) for k in metrics)
+        if self._queued and (now - self._sent_at >= self.batch_seconds or len(self._queued) >= MAX_BATCH_METRICS):
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the queued metrics (MLflow takes up to 1000 in a request)."""
+        while self._queued:
+            batch, self._queued = self._queued[:MAX_BATCH_METRICS], self._queued[MAX_BATCH_METRICS:]
+            self.client.log_batch(self.mlflow_run_id, metrics=batch)
             self._wrote = True
+        self._sent_at = time.time()
 
     def log_image(self, key: str, image: np.ndarray, step: int) -> None:
         """An image (H x W or H x W x C, uint8 or float in [0, 1]) in the run's image gallery at `step`."""
         if (IMAGE_PREFIX + key, step) in self._logged:  # a resume replays steps: keep one image per step
             return
+        self.flush()  # the run's metrics reach MLflow before the picture of where they led
         self.client.log_image(self.mlflow_run_id, image, key=key, step=step)
         self._logged.add((IMAGE_PREFIX + key, step))
         self._wrote = True
@@ -133,6 +153,12 @@ class RunTracker:
     def finish(self, status: str = "FINISHED") -> None:
         """End the run with `status`; a failure that logged nothing leaves a resumed run as it was (a finished
         run stays FINISHED when a rerun is refused, e.g. for a changed recipe)."""
+        try:
+            self.flush()
+        except Exception:
+            if status == "FINISHED":
+                raise
+            log.warning("could not send the run's last metrics to MLflow", exc_info=True)  # keep the run's own error
         if status == "FAILED" and not self._wrote and self._previous_status not in (None, "RUNNING"):
             status = self._previous_status
         self.client.set_terminated(self.mlflow_run_id, status=RunStatus.to_string(RunStatus.from_string(status)))

@@ -37,7 +37,8 @@ def put_record(store: ArtifactStore, run_id: str, rollout_id: int, task: str, ra
                              "the model's outputs overflowed (lower [optim] lr / critic_lr, or raise [optim] "
                              "warmup_steps); the run's last checkpoint (if any) stays its latest")
     tensors[RECORD_KEY] = torch.frombuffer(bytearray(name.encode()), dtype=torch.uint8)
-    return store.put_tensors(store.rollout_key(run_id, rollout_id, task, rank), tensors)
+    # Not fsynced: after a machine crash the run resumes from its last checkpoint and makes them again.
+    return store.put_tensors(store.rollout_key(run_id, rollout_id, task, rank), tensors, durable=False)
 
 
 def get_record(store: ArtifactStore, ref: ArtifactRef, device: torch.device | str = "cpu") -> object:

@@ -2,12 +2,14 @@
 moto's S3 server, MLflow on sqlite; checked through the real APIs."""
 
 import asyncio
+import time
 
 import pytest
 import torch
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+from prefect.events.filters import EventFilter, EventNameFilter
 
 from dmd2.config import load_recipe
 from dmd2.families.digits.yardstick import DIGIT_CONDS
@@ -41,14 +43,46 @@ async def _flow_runs():
         return parent, children, tasks
 
 
+def _eventually(check, what: str, timeout_s: float = 30.0):
+    """`check()`'s first truthy result: the server records task states and events in batches."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        time.sleep(0.5)
+    return found
+
+
 def test_each_rollout_is_a_flow_run_with_its_tasks_under_the_distill_run(finished_run):
-    parent, children, tasks = asyncio.run(_flow_runs())
+    def all_recorded():
+        parent, children, tasks = asyncio.run(_flow_runs())
+        done = all(run.state.is_completed() for runs in tasks.values() for run in runs)
+        return (parent, children, tasks) if done and len(tasks) == ROLLOUTS else None
+
+    parent, children, tasks = _eventually(all_recorded, "every task run of every rollout recorded as completed")
     assert parent.state.is_completed()
     assert sorted(run.name for run in children) == [f"rollout-{i}" for i in range(ROLLOUTS)]
     for name, runs in tasks.items():
         ordered = sorted(runs, key=lambda run: run.expected_start_time)
         assert [run.name.rsplit("-", 1)[0] for run in ordered] == TASKS, name
-        assert all(run.state.is_completed() for run in runs)
+
+
+async def _heartbeat_sources() -> set[str]:
+    async with get_client() as client:
+        page = await client.read_events(EventFilter(event=EventNameFilter(name=["prefect.flow-run.heartbeat"])),
+                                        limit=50)  # the API allows 50; newest first
+        return {event.resource.id for event in page.events}
+
+
+def test_the_distill_run_heartbeats_and_its_rollout_runs_do_not(finished_run):
+    """Crash detection rests on the distill flow run's heartbeat: the rollout flow runs run in its process
+    and send none of their own (stopping one cost up to a second per rollout)."""
+    parent, children, _ = asyncio.run(_flow_runs())
+    def parent_heartbeat_seen():
+        found = asyncio.run(_heartbeat_sources())
+        return found if f"prefect.flow-run.{parent.id}" in found else None
+
+    sources = _eventually(parent_heartbeat_seen, "the distill run's heartbeat")
+    assert not sources & {f"prefect.flow-run.{child.id}" for child in children}
 
 
 def test_mlflow_has_every_metric_once_per_step_images_and_the_student(finished_run):

@@ -150,6 +150,20 @@ def test_tensor_round_trip_is_bitwise(store_target):
     assert_bitwise_equal(tensors, store.get_tensors(ArtifactRef.from_json(ref.to_json())))
 
 
+@pytest.mark.parametrize("durable, fsyncs", [(True, 2), (False, 0)])
+def test_durable_writes_wait_for_the_disk_and_others_do_not(store_target, monkeypatch, durable, fsyncs):
+    """A durable write fsyncs the file and its folder's rename; a rollout payload's (not durable) does
+    neither. Both read back bitwise, their digest checked."""
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    store = ArtifactStore(store_target.root_uri)
+    tensors = sample_tensors()
+    ref = store.put_tensors(store.rollout_key(RUN, 0, "actor", 0), tensors, durable=durable)
+    assert len(synced) == (fsyncs if store_target.scheme == "file" else 0)
+    assert_bitwise_equal(tensors, store.get_tensors(ref))
+
+
 def test_every_dtype_round_trips(store_target):
     store = ArtifactStore(store_target.root_uri)
     tensors = every_dtype()

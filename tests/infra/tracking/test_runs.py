@@ -75,3 +75,28 @@ def test_every_flow_run_is_recorded_in_its_own_tag(uri):
     assert {k: v for k, v in tags.items() if k.startswith("prefect.flow_run.")} == {
         "prefect.flow_run.f1": "note f1", "prefect.flow_run.f2": "note f2"}
     assert tags["prefect.flow_run_id"] == "f2"
+
+
+def test_queued_metrics_go_in_few_requests_and_none_is_lost(uri, monkeypatch):
+    """Per-rollout metrics wait in a queue for `batch_seconds`; an image, an immediate log and the run's
+    end send what waits. Every point arrives once, at its step, with its value."""
+    tracker = RunTracker.start_or_resume("run-q", uri=uri)
+    requests = []
+    send = tracker.client.log_batch
+    monkeypatch.setattr(tracker.client, "log_batch", lambda *a, **k: requests.append(k) or send(*a, **k))
+    tracker.batch_seconds = 3600.0  # nothing is old enough to go on its own
+    for step in range(4):
+        tracker.queue_metrics(step, {"train/loss": float(step), "time/rollout": 0.5})
+    assert requests == []
+    tracker.log_image("samples", np.zeros((8, 8), dtype=np.uint8), step=3)  # sends the queue first
+    assert len(requests) == 1 and len(requests[0]["metrics"]) == 8
+    tracker.queue_metrics(4, {"train/loss": 4.0})
+    tracker.queue_metrics(3, {"train/loss": 99.0})  # already logged: skipped, as log_metrics skips it
+    tracker.finish("FAILED")  # a failing run still sends what it queued
+    assert len(requests) == 2
+    tracker.batch_seconds = 0.0  # every call old enough: one request per call
+    tracker.queue_metrics(5, {"train/loss": 5.0})
+    assert len(requests) == 3
+
+    history = MlflowClient(uri).get_metric_history(tracker.mlflow_run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(6)]
