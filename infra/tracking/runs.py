@@ -128,10 +128,11 @@ class RunTracker:
             self.flush()
 
     def flush(self) -> None:
-        """Send the queued metrics (MLflow takes up to 1000 in a request)."""
+        """Send the queued metrics (MLflow takes up to 1000 in a request); a failed request keeps its batch."""
         while self._queued:
-            batch, self._queued = self._queued[:MAX_BATCH_METRICS], self._queued[MAX_BATCH_METRICS:]
+            batch = self._queued[:MAX_BATCH_METRICS]
             self.client.log_batch(self.mlflow_run_id, metrics=batch)
+            del self._queued[:len(batch)]
             self._wrote = True
         self._sent_at = time.time()
 
