@@ -238,6 +238,7 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
             store.prune(run_id, keep_last=train.keep_rollouts)  # the next rollout reads none of them
             done = rollout_id + 1
             if _due(done, train.save_interval, total):
+                tracker.flush()  # every rollout a checkpoint covers is in MLflow: a resume replays none of them
                 checkpoint(run_id, done)
             if _due(done, train.eval_interval, total):  # always after the last rollout
                 evaluation = _evaluate(run_id, store, tracker, step=rollout_id, final=done == total)
