@@ -107,9 +107,8 @@ class Timers:
 
 def instrument(timers: Timers, rollout_heartbeat: bool) -> None:
     """Time the rollout flow runs, their Prefect API requests and heartbeat stops, and the MLflow calls."""
-    rollout = flows.distill._rollout
-    if rollout_heartbeat:  # as before issue 15: the rollout flow runs heartbeat too
-        rollout = lambda run_id, rollout_id: rollout_flow(run_id, rollout_id)  # noqa: E731
+    # With `rollout_heartbeat`, as before issue 15: the rollout flow run is called with Prefect's settings.
+    rollout = rollout_flow if rollout_heartbeat else flows.distill._rollout
 
     def timed_rollout(run_id, rollout_id):
         timers.in_rollout_flow = True
