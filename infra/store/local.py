@@ -52,9 +52,9 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def _write_durably(path: str, fill: Callable[[BinaryIO], T], durable: bool = True) -> T:
-    """Create ``path`` (must not be visible to readers yet), let ``fill(file)`` write it, fsync
-    unless not ``durable``."""
+def _write_new_file(path: str, fill: Callable[[BinaryIO], T], durable: bool = True) -> T:
+    """Create ``path`` (must not be visible to readers yet), let ``fill(file)`` write it, and fsync it
+    if ``durable``."""
     with open(path, "xb") as file:
         result = fill(file)
         file.flush()
@@ -68,7 +68,7 @@ def _copy_file(src_path: str, dest: str) -> tuple[str, int]:
     return (digest, size) of what was copied."""
     with open(src_path, "rb") as src:
         size = os.fstat(src.fileno()).st_size
-        return _write_durably(dest, lambda out: copy_to_file_hashing(out, size, pread_from(src)))
+        return _write_new_file(dest, lambda out: copy_to_file_hashing(out, size, pread_from(src)))
 
 
 class LocalBackend:
@@ -115,7 +115,7 @@ class LocalBackend:
             with PiecewiseSha256() as hasher:
                 for buffer in buffers:
                     hasher.update(buffer)
-                _write_durably(temp, lambda file: file.writelines(buffers), durable)
+                _write_new_file(temp, lambda file: file.writelines(buffers), durable)
                 digest = hasher.hexdigest()  # the write and the fsync ran while it was hashed
             os.replace(temp, path)
         except BaseException:
@@ -139,7 +139,7 @@ class LocalBackend:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         temp = hidden_sibling(path, "tmp")
         try:
-            _write_durably(temp, lambda file: file.write(data))
+            _write_new_file(temp, lambda file: file.write(data))
             os.link(temp, path)
         except FileExistsError:
             return None
@@ -255,7 +255,7 @@ class LocalDirWriter:
 
     def commit(self, manifest: bytes) -> None:
         """Write the manifest, then make the directory visible by renaming the staging folder."""
-        _write_durably(os.path.join(self.staging_dir, MANIFEST_NAME), lambda f: f.write(manifest))
+        _write_new_file(os.path.join(self.staging_dir, MANIFEST_NAME), lambda f: f.write(manifest))
         _fsync_dir(self.staging_dir)
         try:
             os.rename(self.staging_dir, self.final_dir)
