@@ -8,12 +8,22 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: run test lock clean-venv
 
-# torch goes in first and alone: on this pin pip takes the wheel the machine has (CPU here, CUDA on a
-# GPU box); a looser request would pull a multi-GB CUDA build.
+# torch goes in first, through pip: on this pin pip takes the wheel the machine has (CPU here, CUDA on a
+# GPU box); a looser request would pull a multi-GB CUDA build. uv installs the rest (the locked uv, from
+# PyPI or UV_INDEX_URL): it resolves and unpacks the ~200 locked packages in seconds where pip takes
+# minutes. Neither compiles bytecode up front: Python compiles what it imports, on first import.
+# `make INSTALLER=pip ...` installs the rest with pip instead (for an index only pip.conf knows).
+INSTALLER ?= uv
+ifeq ($(INSTALLER),pip)
+INSTALL_REST := $(PY) -m pip install --quiet --no-compile
+else
+INSTALL_REST := $(VENV)/bin/uv pip install --quiet --python $(PY)
+endif
+
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -c requirements.lock -e '.[test]'
+	$(PY) -m pip install --quiet --no-compile -c requirements.lock torch==2.13.0 uv
+	$(INSTALL_REST) -c requirements.lock -e '.[test]'
 	touch $(STAMP)
 
 # The CLI keeps Prefect's local server quiet (warnings only, no telemetry) unless the environment says otherwise.
