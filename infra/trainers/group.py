@@ -53,12 +53,14 @@ class TrainerGroup:
     """``world_size`` ranks of ``trainer.role``, joined by torch.distributed and ready to train.
 
     ``placement`` puts rank i on bundle i of a placement group (shared with the other groups to
-    colocate them); without it Ray schedules each rank by ``resources`` alone.
+    colocate them); without it Ray schedules each rank by ``resources`` alone. With ``wait=False`` the
+    rank workers are only started: `join` and `wait_ready` finish the group, so that several groups can
+    start, load and join side by side (`build_groups`).
     """
 
     def __init__(self, trainer: TrainerConfig, spec: RunSpec, store: ArtifactStore, world_size: int,
                  resources: RankResources = RankResources(), placement: PlacementGroup | None = None,
-                 num_threads: int = 1, system_metrics: SystemMetrics | None = None):
+                 num_threads: int = 1, system_metrics: SystemMetrics | None = None, wait: bool = True):
         if world_size != spec.config.train.world_size:
             raise ValueError(f"a {trainer.role} group of world size {world_size} cannot run a rollout planned for "
                              f"[train] world_size = {spec.config.train.world_size}: make them equal")
@@ -73,9 +75,26 @@ class TrainerGroup:
                            resources=dict(resources.custom), scheduling_strategy=strategy)
             self.ranks.append(worker.options(**options).remote(trainer, spec, store, rank, world_size, num_threads,
                                                                    resources.num_gpus, system_metrics))
-        master_addr, master_port = ray.get(self.ranks[0].master_address.remote())
-        ray.get([r.setup.remote(master_addr, master_port) for r in self.ranks])
-        logger.info("%s group ready: %d ranks, rendezvous %s:%d", self.role, world_size, master_addr, master_port)
+        self.rendezvous: tuple[str, int] | None = None
+        self._joining: list[ray.ObjectRef] = []
+        if wait:
+            self.join().wait_ready()
+
+    def join(self, taken: frozenset[tuple[str, int]] = frozenset()) -> "TrainerGroup":
+        """Start the rendezvous: rank 0 names an address, then every rank joins the process group and loads
+        its models, in the background. `taken`: other groups' rendezvous, which this one must not reuse (two
+        groups starting together could both be offered the same free port)."""
+        self.rendezvous = ray.get(self.ranks[0].master_address.remote())
+        while self.rendezvous in taken:
+            self.rendezvous = ray.get(self.ranks[0].master_address.remote())
+        self._joining = [r.setup.remote(*self.rendezvous) for r in self.ranks]
+        return self
+
+    def wait_ready(self) -> "TrainerGroup":
+        """Block until every rank has joined and loaded (a rank's failure to do either is raised here)."""
+        ray.get(self._joining)
+        logger.info("%s group ready: %d ranks, rendezvous %s:%d", self.role, self.world_size, *self.rendezvous)
+        return self
 
     def _each(self, method: str, *shared: Any, **per_rank: list[Any]) -> list[Any]:
         """Call ``method(*shared, **{name: values[i]})`` on every rank i and wait for all."""

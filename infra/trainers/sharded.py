@@ -152,6 +152,17 @@ class JsonMetadataReader(dcp.FileSystemReader):
         return done
 
 
+def _one_process() -> bool:
+    """DCP runs without collectives: no process group, or a group of one rank (nothing to agree on).
+
+    At one rank its planning collectives only cost, and on a CPU they cost every later step: the plan's
+    gather (hundreds of KiB of pickled metadata) copies on a gloo thread, whose OpenMP team makes libgomp
+    count more threads than cores and stop spinning between parallel regions; every training step after the
+    first checkpoint then ran ~1.7x slower (issue 15's `make run`: 1.0 -> 1.35 s per rollout after rollout
+    100). """
+    return not dist.is_initialized() or dist.get_world_size() == 1
+
+
 @contextmanager
 def _dcp_call() -> Iterator[None]:
     # Without a process group DCP warns that it assumes one process; here that is a supported case
@@ -214,7 +225,7 @@ def save_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     except TypeError as error:  # e.g. a tensor lr
         raise TypeError(f"optimizer param_groups must be JSON values: {error}") from error
     with _dcp_call():
-        dcp.save(state, storage_writer=JsonMetadataWriter(folder))
+        dcp.save(state, storage_writer=JsonMetadataWriter(folder), no_dist=_one_process())
     if not dist.is_initialized() or dist.get_rank() == 0:
         (folder / PARAM_GROUPS_NAME).write_text(groups_text)
 
@@ -232,7 +243,7 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     if [g["params"] for g in saved_groups] != [g["params"] for g in groups]:
         raise ValueError(f"{folder}: the optimizer's param_groups hold other parameters than the saved ones")
     with _dcp_call():
-        dcp.load(state, storage_reader=JsonMetadataReader(folder))
+        dcp.load(state, storage_reader=JsonMetadataReader(folder), no_dist=_one_process())
     # JSON turned tuples (AdamW's betas) into lists; give each value back the type the optimizer uses.
     saved_groups = [{k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in saved.items()}
                     for saved, now in zip(saved_groups, groups)]

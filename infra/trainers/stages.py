@@ -59,10 +59,15 @@ def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources |
     world_size = spec.config.train.world_size
     placement = rank_placement_group(world_size, resources, groups=len(trainers), strategy=strategy)
     made: dict[str, TrainerGroup] = {}
-    try:
+    try:  # every group's ranks start, load their models and join at once: start-up costs the slowest group
         for trainer in trainers:
             made[trainer.role] = TrainerGroup(trainer, spec, store, world_size, resources, placement, num_threads,
-                                              system_metrics)
+                                              system_metrics, wait=False)
+        taken: set[tuple[str, int]] = set()
+        for group in made.values():
+            taken.add(group.join(frozenset(taken)).rendezvous)
+        for group in made.values():
+            group.wait_ready()
     except BaseException:
         Groups(actor=made.get("actor"), critic=made.get("critic"), placement=placement).shutdown()
         raise
