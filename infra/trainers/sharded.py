@@ -165,10 +165,10 @@ def _one_process() -> bool:
 
 @contextmanager
 def _dcp_call() -> Iterator[None]:
-    # Without a process group DCP warns that it assumes one process; here that is a supported case
-    # (a plain module at world size 1), not an accident.
+    # In one process (`_one_process`) DCP warns that it assumes one process; here that is the intended
+    # case (a plain module, or a group of one rank), not an accident.
     with warnings.catch_warnings():
-        if not dist.is_initialized():
+        if _one_process():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             yield
