@@ -64,8 +64,18 @@ class PrefectServer:
         return asyncio.run(run())
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=60)
+        stop_process(self.process)
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it is still up after a minute: what the test checks is done by then, and a
+    Prefect worker under a loaded machine's full suite was seen taking longer than that to stop."""
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=30)
 
 
 @pytest.mark.slow
@@ -104,8 +114,7 @@ def test_two_triggers_of_a_pooled_deployment_run_one_after_the_other_and_registe
         assert second.start_time >= first.end_time  # one after the other
     finally:
         if worker is not None:
-            worker.terminate()
-            worker.wait(timeout=60)
+            stop_process(worker)
         server.stop()
 
     client = MlflowClient(tracking)
