@@ -92,6 +92,8 @@ class TrainerGroup:
 
     def wait_ready(self) -> "TrainerGroup":
         """Block until every rank has joined and loaded (a rank's failure to do either is raised here)."""
+        if self.rendezvous is None:
+            self.join()
         ray.get(self._joining)
         logger.info("%s group ready: %d ranks, rendezvous %s:%d", self.role, self.world_size, *self.rendezvous)
         return self
