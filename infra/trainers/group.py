@@ -8,6 +8,7 @@ rollout's shard layout.
 """
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import ray
@@ -80,7 +81,7 @@ class TrainerGroup:
         if wait:
             self.join().wait_ready()
 
-    def join(self, taken: frozenset[tuple[str, int]] = frozenset()) -> "TrainerGroup":
+    def join(self, taken: Collection[tuple[str, int]] = ()) -> "TrainerGroup":
         """Start the rendezvous: rank 0 names an address, then every rank joins the process group and loads
         its models, in the background. `taken`: other groups' rendezvous, which this one must not reuse (two
         groups starting together could both be offered the same free port)."""

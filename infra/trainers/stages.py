@@ -63,9 +63,9 @@ def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources |
         for trainer in trainers:
             made[trainer.role] = TrainerGroup(trainer, spec, store, world_size, resources, placement, num_threads,
                                               system_metrics, wait=False)
-        taken: set[tuple[str, int]] = set()
+        taken: list[tuple[str, int]] = []
         for group in made.values():
-            taken.add(group.join(frozenset(taken)).rendezvous)
+            taken.append(group.join(taken).rendezvous)
         for group in made.values():
             group.wait_ready()
     except BaseException:
