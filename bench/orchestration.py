@@ -48,7 +48,6 @@ import flows.distill  # noqa: E402
 from dmd2.family import default_cache_dir  # noqa: E402
 from dmd2.loop import InProcessDistiller  # noqa: E402
 from flows.recipe import RECIPES, run_config  # noqa: E402
-from flows.rollout import rollout_flow  # noqa: E402
 from infra.store import ArtifactStore  # noqa: E402
 from infra.tracking.runs import RunTracker  # noqa: E402
 
@@ -107,8 +106,10 @@ class Timers:
 
 def instrument(timers: Timers, rollout_heartbeat: bool) -> None:
     """Time the rollout flow runs, their Prefect API requests and heartbeat stops, and the MLflow calls."""
-    # With `rollout_heartbeat`, as before issue 15: the rollout flow run is called with Prefect's settings.
-    rollout = rollout_flow if rollout_heartbeat else flows.distill._rollout
+    # With `rollout_heartbeat`, as before issue 15: the rollout flow runs are called with Prefect's settings.
+    if rollout_heartbeat:
+        flows.distill.rollouts_without_heartbeat = contextlib.nullcontext
+    rollout = flows.distill._rollout
 
     def timed_rollout(run_id, rollout_id):
         timers.in_rollout_flow = True

@@ -71,6 +71,10 @@ class OptimConfig:
     weight_decay: float = option(0.0, "AdamW weight decay.")
     grad_clip: float = option(1.0, "Max gradient norm per step; 0 disables clipping.")
     warmup_steps: int = option(0, "Linear learning-rate warmup, in optimizer steps.")
+    decay_fraction: float = option(
+        0.0, "The last this fraction of the run's rollouts decay both learning rates linearly towards 0 "
+             "(warmup-stable-decay), so the final weights are not one noisy step's; 0: constant to the end."
+    )
 
 
 @dataclass(frozen=True)

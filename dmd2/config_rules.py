@@ -43,6 +43,8 @@ def validate(config: "DistillConfig") -> None:
     _check(len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas),
            f"[optim] betas must be two numbers in [0, 1), got {optim.betas}")
     _check(optim.grad_clip >= 0, f"[optim] grad_clip must be >= 0 (0 disables it), got {optim.grad_clip}")
+    _check(0 <= optim.decay_fraction <= 1,
+           f"[optim] decay_fraction must be in [0, 1] (0: no decay), got {optim.decay_fraction}")
     _check(train.rollouts >= 1, f"[train] rollouts must be >= 1, got {train.rollouts}")
     _check(train.world_size >= 1, f"[train] world_size must be >= 1, got {train.world_size}")
     _check(train.save_interval >= 0 and train.eval_interval >= 0,

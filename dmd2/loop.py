@@ -73,7 +73,8 @@ class InProcessDistiller:
                 raise ValueError("[dmd2] critic_gan_weight > 0: pass the family's real samples and gan_tap")
             critic = attach_gan_head(critic, gan_tap(critic), config.train.seed)
         return cls(config, train_state(student, config.optim.lr, config, velocity, config.student.ema_decay),
-                   train_state(critic, config.critic_lr, config, lambda model: tapped(velocity(model), model)),
+                   train_state(critic, config.critic_lr, config, lambda model: tapped(velocity(model), model),
+                               steps_per_rollout=config.dmd2.critic_steps_per_rollout),
                    velocity(teacher), conds, tuple(sample_shape), real)
 
     def run(self, rollouts: range, on_rollout: Callable[[int, dict[str, float]], None] | None = None) -> None:

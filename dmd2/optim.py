@@ -13,15 +13,26 @@ GatherFigures = Callable[[Tensor], Tensor]
 
 
 def make_optimizer(
-    params, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int
+    params, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int,
+    decay_steps: int = 0, total_steps: int = 0,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW (the reference's optimizer) with a linear warmup to `lr`, constant afterwards."""
+    """AdamW (the reference's optimizer) with a linear warmup to `lr`, constant, then, over the last
+    `decay_steps` of `total_steps`, a linear decay towards 0 (warmup-stable-decay)."""
     optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
-    warmup = max(warmup_steps, 0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        optimizer, lambda step: lr_factor(step, warmup_steps, decay_steps, total_steps)
     )
     return optimizer, schedule
+
+
+def lr_factor(step: int, warmup_steps: int, decay_steps: int = 0, total_steps: int = 0) -> float:
+    """The learning rate of optimizer step `step` (0-based) over the peak: (step + 1) / warmup during the
+    warmup; in the decay, (total - step) / decay: the decay's first step at the peak, its last at 1 / decay.
+    Steps past `total_steps` (a run continued beyond its planned end) keep the last step's rate."""
+    factor = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    if decay_steps > 0:
+        factor *= min(1.0, max(total_steps - step, 1) / decay_steps)
+    return factor
 
 
 def optimizer_step(

@@ -61,15 +61,19 @@ class Hooks:
 
 
 def train_state(model: nn.Module, lr: float, config: DistillConfig,
-                velocity: Callable[[nn.Module], VelocityFn] = DiffusersVelocity, ema_decay: float = 0.0) -> TrainState:
-    """A model in train mode with AdamW and the warmup schedule of `config.optim`.
+                velocity: Callable[[nn.Module], VelocityFn] = DiffusersVelocity, ema_decay: float = 0.0,
+                steps_per_rollout: int = 1) -> TrainState:
+    """A model in train mode with AdamW and the lr schedule of `config.optim` (warmup, decay).
 
     `velocity` makes the model's velocity call (a family's adapter; default: a diffusers model's);
-    `ema_decay` > 0 (the student's `[student] ema_decay`) keeps an EMA of its trainable parameters.
+    `ema_decay` > 0 (the student's `[student] ema_decay`) keeps an EMA of its trainable parameters;
+    `steps_per_rollout` (the critic's K) places the decay on the run's last optimizer steps.
     """
     optim = config.optim
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only (dmd2/lora.py)
-    optimizer, scheduler = make_optimizer(trained, lr, optim.betas, optim.weight_decay, optim.warmup_steps)
+    total = config.train.rollouts * steps_per_rollout
+    optimizer, scheduler = make_optimizer(trained, lr, optim.betas, optim.weight_decay, optim.warmup_steps,
+                                          decay_steps=round(optim.decay_fraction * total), total_steps=total)
     ema = ParameterEMA(model, ema_decay) if ema_decay > 0 else None
     return TrainState(model.train(), velocity(model), optimizer, scheduler, optim.grad_clip, ema=ema)
 

@@ -144,7 +144,7 @@ class RankWorker:
         self._module = fsdp(model, train.mixed_precision == "bf16") if self.sharded else model
         # The optimizer is built over the sharded parameters under FSDP; DDP's wrapper comes with `wake`.
         self.state = train_state(self._module, self.trainer.lr, self.spec.config, family.velocity,
-                                 self.trainer.ema_decay)
+                                 self.trainer.ema_decay, self.trainer.steps_per_rollout)
         if self.world_size > 1:  # every rank's loss and grad norm: a non-finite step stops all ranks alike
             self.state.gather = gather_rows(self._objects)
         self._wrap()
@@ -167,8 +167,10 @@ class RankWorker:
 
     def _wrap(self) -> None:
         """The trained model as the optimizer steps see it: DDP's wrapper (built anew, see
-        `infra.trainers.parallel`), or the sharded module itself."""
-        self.state.model = self._module if self.sharded else ddp(self._module, self.device)
+        `infra.trainers.parallel`), or the sharded module itself. A group of one rank has no gradients to
+        average: DDP would only copy them into its buckets and all-reduce them over gloo with itself."""
+        replicated = not self.sharded and self.world_size > 1
+        self.state.model = ddp(self._module, self.device) if replicated else self._module
         self.state.velocity = tapped(self._velocity(self.state.model), self.module)  # the GAN's logits, if a head
 
     @property
