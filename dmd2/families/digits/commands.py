@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from dmd2.family import Command, default_cache_dir
@@ -67,7 +68,7 @@ def _sample(args: argparse.Namespace) -> int:
 # The table's student variants: each recipe as it is, and with one of DMD2's optional parts on top.
 TABLE_VARIANTS = {
     "recipe": ("", []),
-    "ema": (", EMA 0.95", ["student.ema_decay=0.95"]),
+    "ema": (", EMA 0.99", ["student.ema_decay=0.99"]),
     "gan": (", GAN 1e-2 / 3e-3", ["dmd2.critic_gan_weight=1e-2", "dmd2.gan_weight=3e-3"]),
     "lora": (", LoRA rank 8", ["student.lora_rank=8"]),
 }
@@ -102,10 +103,15 @@ def _table(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     recipes = {}
     for path in args.recipe or [RECIPES / "digits-4step.toml", RECIPES / "digits-1step.toml"]:
+        as_is = load_recipe(path, parse_overrides(args.overrides))
         for name in variants:
             label, sets = TABLE_VARIANTS[name]
-            row = f"DMD2 student ({Path(path).stem}{label})"
-            recipes[row] = load_recipe(path, parse_overrides(sets + args.overrides))
+            config = load_recipe(path, parse_overrides(sets + args.overrides))
+            if name != "recipe" and config == as_is:
+                print(f"{Path(path).stem}: the {name} variant is the recipe itself (it sets {' '.join(sets)}): "
+                      "one row", file=sys.stderr)
+                continue
+            recipes[f"DMD2 student ({Path(path).stem}{label})"] = config
     columns = DigitsFamily.report_columns | {DISTILL_SECONDS: "wall s"}
     print(format_table(quality_table(recipes, args.cache_dir), columns))
     return 0
