@@ -109,7 +109,7 @@ def instrument(timers: Timers, rollout_heartbeat: bool) -> None:
     # With `rollout_heartbeat`, as before issue 15: the rollout flow runs are called with Prefect's settings.
     if rollout_heartbeat:
         flows.distill.rollouts_without_heartbeat = contextlib.nullcontext
-    rollout = flows.distill._rollout
+    rollout = flows.distill.rollout_flow
 
     def timed_rollout(run_id, rollout_id):
         timers.in_rollout_flow = True
@@ -121,7 +121,7 @@ def instrument(timers: Timers, rollout_heartbeat: bool) -> None:
             timers.in_rollout_flow = False
             timers.rollouts_done += 1
 
-    flows.distill._rollout = timed_rollout
+    flows.distill.rollout_flow = timed_rollout  # the name the distill loop calls
     # The requests a rollout flow run waits for; the background log and event workers' are not among them.
     waited_for = lambda: timers.in_rollout_flow and "Worker" not in threading.current_thread().name  # noqa: E731
     for client in (prefect.client.base.PrefectHttpxSyncClient, prefect.client.base.PrefectHttpxAsyncClient):

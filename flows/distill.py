@@ -232,7 +232,7 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
     evaluation = None
     with progress_bar(total, f"distill {run_id}", initial=start, unit="rollout") as bar, rollouts_without_heartbeat():
         for rollout_id in range(start, total):
-            metrics = _rollout(run_id, rollout_id)
+            metrics = rollout_flow(run_id, rollout_id)
             lease.check()  # still this run's id (renewed in the background), before it logs or writes more
             tracker.queue_metrics(rollout_id, train_metric_names(metrics))  # sent every few seconds
             store.prune(run_id, keep_last=train.keep_rollouts)  # the next rollout reads none of them
@@ -255,11 +255,6 @@ def rollouts_without_heartbeat():
     (it sleeps in 1 s ticks) at every rollout's end. Entered once for all rollouts: building Prefect's
     settings anew costs ~40 ms."""
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
-
-
-def _rollout(run_id: str, rollout_id: int) -> dict[str, float]:
-    """One rollout flow run (a function of its own so that benchmarks can time it)."""
-    return rollout_flow(run_id, rollout_id)
 
 
 def _evaluate(run_id: str, store: ArtifactStore, tracker: RunTracker, step: int, final: bool):

@@ -166,9 +166,8 @@ class RankWorker:
         return velocity
 
     def _wrap(self) -> None:
-        """The trained model as the optimizer steps see it: DDP's wrapper (built anew, see
-        `infra.trainers.parallel`), or the sharded module itself. A group of one rank has no gradients to
-        average: DDP would only copy them into its buckets and all-reduce them over gloo with itself."""
+        """The trained model as the optimizer steps see it: DDP's wrapper (built anew, see `infra.trainers.parallel`)
+        at world size > 1, else the module itself (sharded, or alone: nothing to average)."""
         replicated = not self.sharded and self.world_size > 1
         self.state.model = ddp(self._module, self.device) if replicated else self._module
         self.state.velocity = tapped(self._velocity(self.state.model), self.module)  # the GAN's logits, if a head
