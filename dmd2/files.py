@@ -6,7 +6,7 @@ goes through these two helpers. The store has its own durable writes (`infra.sto
 
 import os
 import shutil
-import tempfile
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -17,8 +17,10 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success it is renamed over `path`, on error deleted."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = _hidden_sibling(path, "tmp")
+    # Created with the umask's mode, as a plain open() would (mkstemp's 0600 would survive the rename and
+    # leave outputs unreadable to the rest of a team).
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         yield Path(tmp)
         os.replace(tmp, path)
@@ -36,7 +38,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.staging-", dir=path.parent))
+    staging = _hidden_sibling(path, "staging")
+    staging.mkdir()  # the umask's mode (mkdtemp's is 0700)
     try:
         yield staging
         staging.rename(path)
@@ -47,3 +50,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _hidden_sibling(path: Path, tag: str) -> Path:
+    """A unique hidden name beside `path` for staging its write."""
+    return path.parent / f".{path.name}.{tag}-{uuid.uuid4().hex[:12]}"
