@@ -81,3 +81,24 @@ def test_the_checks_catch_a_broken_layout(tmp_path):
         "dmd2/families/sd3/peek.py imports dmd2.families.digits",
         "dmd2/families/sd3/peek.py imports dmd2.families.digits.data",
     ]
+
+
+def unlisted_in_readme(root: Path) -> list[str]:
+    """Every family folder and infra package that the README's layout section does not name."""
+    readme = (root / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):].split("```")[1]
+    folders = [p for p in sorted((root / "dmd2" / "families").iterdir()) if (p / "__init__.py").is_file()]
+    folders += [p for p in sorted((root / "infra").iterdir()) if (p / "__init__.py").is_file()]
+    return [name for name in (f"{p.relative_to(root).as_posix()}/" for p in folders) if name not in layout]
+
+
+def test_the_readme_layout_names_every_family_and_infra_package():
+    assert unlisted_in_readme(ROOT) == []
+
+
+def test_the_readme_check_catches_a_new_family(tmp_path):
+    (tmp_path / "README.md").write_text("## Layout\n\n```\ndmd2/families/digits/  x\ninfra/store/  y\n```\n")
+    for package in ("dmd2/families/digits", "dmd2/families/wan", "infra/store", "infra/trainers"):
+        (tmp_path / package).mkdir(parents=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    assert unlisted_in_readme(tmp_path) == ["dmd2/families/wan/", "infra/trainers/"]
