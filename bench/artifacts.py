@@ -2,7 +2,7 @@
 
 For a tensor dict of --size-mb MB it times, --repeats times each, like against like:
 
-- put+fsync: ``ArtifactStore.put_tensors`` (temp file, sha256, fsync, rename) against
+- put+fsync: ``ArtifactStore.put_tensors`` (safetensors' bytes, temp file, sha256, fsync, rename) against
   ``safetensors.torch.save_file`` followed by an fsync, each writing a new file: the store always
   fsyncs, so the baseline pays for durability too;
 - get+read: ``ArtifactStore.get_tensors`` followed by reading every tensor (a clone) against
@@ -14,8 +14,7 @@ It prints the median MB/s of each, the ratio store / safetensors (goal >= 0.8), 
 only (not like for like) save_file without fsync, load_file without reading, safetensors'
 private-memory loader (``safetensors.torch.load`` of the file's bytes, then the same read: private
 memory as the store's get, but unverified), and the store's
-digest alone (piece-wise sha256 on every hashing thread; a plain sha256 on one core beside it),
-which bounds any verified put or get.
+digest alone (the plain sha256 of the object, on one core), which bounds any verified put or get.
 
     python bench/artifacts.py [--size-mb 64] [--repeats 5] [--dir /tmp]
 """
@@ -23,7 +22,6 @@ which bounds any verified put or get.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import statistics
 import sys
@@ -39,7 +37,7 @@ import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
 from infra.store import ArtifactStore  # noqa: E402
-from infra.store.digest import hash_threads, piecewise_sha256  # noqa: E402
+from infra.store.digest import sha256_hex  # noqa: E402
 
 MB = 2**20
 
@@ -95,8 +93,7 @@ def run_once(store: ArtifactStore, folder: Path, tensors: dict, index: int) -> d
     from_bytes = safetensors.torch.load
     seconds["load_bytes"] = timed(lambda: read_all(from_bytes(durable.read_bytes())))[0]
     data = durable.read_bytes()
-    seconds["digest"] = timed(lambda: piecewise_sha256(data))[0]
-    seconds["sha256"] = timed(lambda: hashlib.sha256(data).hexdigest())[0]
+    seconds["digest"] = timed(lambda: sha256_hex(data))[0]
     durable.unlink()
     plain.unlink()
     store.prune("bench", keep_last=0)
@@ -119,11 +116,7 @@ def report(rounds: list[dict[str, float]], nbytes: int) -> None:
     print(f"  save_file without fsync:   {mbps('save_file'):9.1f} MB/s")
     print(f"  load_file without reading: {mbps('load_file'):9.1f} MB/s (maps, reads nothing)")
     print(f"  load(bytes)+read:          {mbps('load_bytes'):9.1f} MB/s (private memory, unverified)")
-    print(
-        f"  store digest alone:        {mbps('digest'):9.1f} MB/s on {hash_threads()} thread(s) "
-        "(bounds a verified put/get)"
-    )
-    print(f"  plain sha256, one core:    {mbps('sha256'):9.1f} MB/s (the digest before pieces)")
+    print(f"  store digest alone:        {mbps('digest'):9.1f} MB/s (sha256, one core; bounds a verified put/get)")
 
 
 def main(argv: list[str] | None = None) -> None:

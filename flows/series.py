@@ -17,7 +17,7 @@ from pathlib import Path
 from dmd2.config import ConfigError, DistillConfig, config_to_dict
 from flows.recipe import check_run_id
 from infra.store import ArtifactStore
-from infra.store.digest import file_digest
+from infra.store.digest import file_sha256
 
 SERIES_PREFIX = "_series"
 # What a scheduled run may change without starting a new run: its length, cadence and placement.
@@ -31,8 +31,10 @@ def teacher_digest(teacher: str) -> str:
     if not root.is_dir():
         return hashlib.sha256(teacher.encode()).hexdigest()
     digest = hashlib.sha256()
+    # Each file's piece-wise digest, the one the series' stored fingerprints were made with: another would
+    # make every existing series see a new teacher and start a new run.
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(f"{path.relative_to(root).as_posix()}\0{file_digest(path)[0]}\0".encode())
+        digest.update(f"{path.relative_to(root).as_posix()}\0{file_sha256(path, legacy=True)}\0".encode())
     return digest.hexdigest()
 
 

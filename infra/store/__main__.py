@@ -1,21 +1,20 @@
-"""`python -m infra.store FILE...`: the store's digest of local files, as sha256sum prints a plain one."""
+"""`python -m infra.store FILE...`: the digest the store keeps for local files, printed as ``sha256sum``
+prints it (the digest, two spaces, the path): the two agree."""
 
 import argparse
 
-from infra.store.digest import file_digest
+from infra.store.digest import file_sha256
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m infra.store",
-        description="Print the artifact store's digest of local files (what ArtifactRef.sha256 "
-        "and MANIFEST.json entries hold), like sha256sum prints a plain sha256.",
-    )
+        description="Print the sha256 of local files as the store keeps it (ArtifactRef.sha256, MANIFEST.json "
+        "entries) and as sha256sum prints it.")
     parser.add_argument("files", nargs="+", metavar="FILE", help="files to hash")
-    args = parser.parse_args(argv)
-    for path in args.files:
+    for path in parser.parse_args(argv).files:
         try:
-            digest, _ = file_digest(path)
+            digest = file_sha256(path)
         except OSError as exc:
             parser.exit(1, f"{parser.prog}: cannot read {path}: {exc.strerror}\n")
         print(f"{digest}  {path}")

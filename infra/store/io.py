@@ -1,122 +1,126 @@
-"""Local-file helpers shared by the store's parts: copies hashed while the bytes move (in
-parallel spans where the source allows positional reads), staging names, and the walk of a folder
-to be stored. The digest itself is ``infra.store.digest``'s."""
+"""What a local folder and S3 do alike, through one fsspec code path: read, copy out hashing, list, delete,
+move. Where they differ (visibility of a write, conditional writes) is ``local.py``'s and ``s3.py``'s.
+Also the staging names of writes in progress and the walk of a folder to be stored."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import re
-import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import TypeVar
 
-from infra.store.digest import (
-    PIECE_BYTES,
-    Buffer,
-    PiecewiseSha256,
-    ReadAt,
-    hash_spans,
-    hash_threads,
-    read_fully,
-)
+from fsspec import AbstractFileSystem
+
+from infra.store.faults import describe, is_missing_bucket
 from infra.store.keys import MANIFEST_NAME, validate_key
 
-CHUNK_BYTES = 8 * PIECE_BYTES
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+# Large enough that requests are few on S3, small enough that a copy holds little memory.
+BLOCK_BYTES = 8 * 2**20
+_STAGING_NAME = re.compile(r"\..+\.(tmp|partial)-[0-9a-f]{12}")
 
 
-class Writable(Protocol):
-    """Anything with a binary ``write`` (a local file, an s3fs upload)."""
+class Backend:
+    """Objects below ``root_path`` of the fsspec filesystem ``fs``; keys are validated by the store."""
 
-    def write(self, data: bytes) -> object: ...
+    def __init__(self, fs: AbstractFileSystem, root_path: str, root_uri: str):
+        self.fs, self.root_path, self.root_uri = fs, root_path, root_uri
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.root_uri!r})"
+
+    def path(self, key: str) -> str:
+        """The filesystem path of a key."""
+        return f"{self.root_path}/{key}"
+
+    def uri_of(self, key: str) -> str:
+        """The URI of a key."""
+        return f"{self.root_uri}/{key}"
+
+    def read_bytes(self, key: str) -> bytes:
+        """The bytes stored at ``key`` (``FileNotFoundError`` if absent)."""
+        return self.fs.cat_file(self.path(key))
+
+    def read_to(self, key: str, dest: str) -> tuple[str, int]:
+        """Copy the object at ``key`` into the new local file ``dest``; (sha256, size) of what was copied,
+        hashed as it passed."""
+        digest, size = hashlib.sha256(), 0
+        with self.fs.open(self.path(key), "rb", block_size=BLOCK_BYTES) as src, open(dest, "xb") as out:
+            while chunk := src.read(BLOCK_BYTES):
+                digest.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+        return digest.hexdigest(), size
+
+    def exists(self, key: str) -> bool:
+        """True if an object (not a folder) is stored at ``key``."""
+        return bool(absent_is_none(lambda: self.fs.info(self.path(key))["type"] == "file"))
+
+    def list_dirs(self, key: str) -> list[str]:
+        """Names of the visible sub-folders of ``key`` (none if it does not exist)."""
+        entries = absent_is_none(lambda: self.fs.ls(self.path(key), detail=True)) or []
+        names = (e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
+        return sorted(name for name in names if not name.startswith("."))
+
+    def delete_tree(self, key: str) -> None:
+        """Remove ``key`` (an object, or a folder and everything below it); nothing there is not an error."""
+        absent_is_none(lambda: self.fs.rm(self.path(key), recursive=True))
+
+    def discard_staging(self, staging: str) -> None:
+        """Delete what a failed directory write left at ``staging`` (best effort: logged, never raised; a
+        leftover stays invisible without its manifest)."""
+        try:
+            absent_is_none(lambda: self.fs.rm(staging, recursive=True))
+        except Exception as exc:
+            logger.warning("could not remove %s, left by a failed write: %s", staging, describe(exc))
+
+    def move_tree(self, key: str, new_key: str) -> None:
+        """Move ``key`` and everything below it to ``new_key``: copies, then the originals deleted, a
+        directory's manifest first (readers stop seeing it at once). ``LocalBackend`` renames instead."""
+        src, dst = self.path(key), self.path(new_key)
+        for path in self.fs.find(src):
+            self.fs.copy(path, dst + path[len(src):])
+        self.delete_tree(f"{key}/{MANIFEST_NAME}")
+        self.delete_tree(key)
 
 
-def digest_while(data: Buffer, write: Callable[[], None]) -> str:
-    """Return the store's digest of ``data``, computed on the hashing pool while ``write()`` runs.
-
-    Exceptions of ``write`` propagate.
-    """
-    with PiecewiseSha256() as hasher:
-        hasher.update(data)
-        write()
-        return hasher.hexdigest()
-
-
-def write_hashing(buffers: list[Buffer], dst: Writable) -> str:
-    """Write ``buffers`` to ``dst``; return the digest of their concatenation, hashed meanwhile."""
-    with PiecewiseSha256() as hasher:
-        for buffer in buffers:
-            hasher.update(buffer)
-        for buffer in buffers:
-            dst.write(buffer)
-        return hasher.hexdigest()
+def absent_is_none(call: Callable[[], T]) -> T | None:
+    """``call()``, or None if what it looked for is absent; a missing bucket is not absence, and raises."""
+    try:
+        return call()
+    except FileNotFoundError as exc:
+        if is_missing_bucket(exc):
+            raise
+        return None
 
 
-def pread_from(file: BinaryIO) -> ReadAt:
-    """A ``read_at``: positional reads of an open local file (thread-safe)."""
-    fd = file.fileno()
-    return lambda region, offset: os.preadv(fd, [region], offset)
+def write_hashing(chunks: Iterable[bytes], out) -> tuple[str, int]:
+    """Write ``chunks`` to ``out``; (sha256, size) of what was written, hashed on the way."""
+    digest, size = hashlib.sha256(), 0
+    for chunk in chunks:
+        digest.update(chunk)
+        out.write(chunk)
+        size += len(chunk)
+    return digest.hexdigest(), size
 
 
-def copy_to_file_hashing(
-    out: BinaryIO, size: int, read_at: ReadAt, span: int = PIECE_BYTES
-) -> tuple[str, int]:
-    """Write an object of ``size`` bytes, read through ``read_at(view, offset)``, into the empty
-    file ``out``: spans in parallel, each read into its thread's scratch buffer, hashed and
-    written at its offset by that thread (``hash_spans``). Returns (digest, bytes copied); an
-    object that turns out shorter leaves the file short too, and the caller's digest check fails.
-    """
-    fd = out.fileno()
-
-    def read_span(start: int, length: int) -> memoryview:
-        scratch = _scratch(span)[:length]
-        data = scratch[: read_fully(read_at, scratch, start)]
-        written = 0
-        while written < len(data):
-            written += os.pwrite(fd, data[written:], start + written)
-        return data
-
-    return hash_spans(size, read_span, span)
-
-
-_thread_scratch = threading.local()
-
-
-def _scratch(size: int) -> memoryview:
-    """This thread's reusable buffer of at least ``size`` bytes (each pool thread has its own)."""
-    buffer = getattr(_thread_scratch, "buffer", None)
-    if buffer is None or len(buffer) < size:
-        buffer = _thread_scratch.buffer = memoryview(bytearray(size))
-    return buffer
-
-
-def copy_hashing(src: BinaryIO, dst: Writable) -> tuple[str, int]:
-    """Copy ``src`` to ``dst`` in chunks; return (digest, byte count) of what was copied.
-
-    The pieces of each chunk are hashed on the pool while the next chunk is read and written;
-    at most two chunks wait to be hashed, which bounds the memory of a fast copy.
-    """
-    nbytes = 0
-    backlog = max(2 * CHUNK_BYTES // PIECE_BYTES, 2 * hash_threads())
-    with PiecewiseSha256(max_backlog=backlog) as hasher:
-        while chunk := src.read(CHUNK_BYTES):
-            hasher.update(chunk)
-            dst.write(chunk)
-            nbytes += len(chunk)
-        return hasher.hexdigest(), nbytes
+def file_chunks(path: str | os.PathLike) -> Iterable[bytes]:
+    """A local file's bytes, ``BLOCK_BYTES`` at a time."""
+    with open(path, "rb") as file:
+        while chunk := file.read(BLOCK_BYTES):
+            yield chunk
 
 
 def hidden_sibling(path: str, tag: str) -> str:
-    """A unique hidden name next to ``path`` for staging a write.
-
-    Store keys never start with '.', so it cannot collide with an artifact, and listings skip it.
-    """
+    """A unique hidden name next to ``path`` for staging a write (keys never start with '.', so it cannot
+    collide with an artifact, and listings skip it)."""
     folder, name = os.path.split(path)
     return os.path.join(folder, f".{name}.{tag}-{uuid.uuid4().hex[:12]}")
-
-
-_STAGING_NAME = re.compile(r"\..+\.(tmp|partial)-[0-9a-f]{12}")
 
 
 def is_staging_name(name: str) -> bool:
@@ -124,21 +128,12 @@ def is_staging_name(name: str) -> bool:
     return _STAGING_NAME.fullmatch(name) is not None
 
 
-def newest_mtime(path: str) -> float:
-    """The latest modification time of ``path`` and, for a folder, of everything below it."""
-    newest = os.lstat(path).st_mtime
-    for folder, dirnames, filenames in os.walk(path):
-        for name in [*dirnames, *filenames]:
-            newest = max(newest, os.lstat(os.path.join(folder, name)).st_mtime)
-    return newest
-
-
 def list_local_files(root: Path) -> list[tuple[str, Path]]:
     """(relative key, path) of every file below ``root``, sorted by key.
 
-    Refuses what could not be stored faithfully: unsafe names (``validate_key``), a top-level
-    MANIFEST.json (the store's own), symlinked folders (os.walk would skip them silently) and
-    special files (reading a FIFO would block forever).
+    Refuses what could not be stored faithfully: unsafe names (``validate_key``), a top-level MANIFEST.json
+    (the store's own), symlinked folders (os.walk would skip them silently) and special files (reading a
+    FIFO would block forever).
     """
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a folder")

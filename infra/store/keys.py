@@ -1,14 +1,16 @@
 """Names, keys and manifests of the artifact store.
 
-A *key* is a relative, '/'-separated path below the store's root. Every part of a key is checked
-against one conservative rule (``[A-Za-z0-9_][A-Za-z0-9._-]*``) so that nothing a caller passes can
-climb out of the root (``..``), become absolute (``/etc``), smuggle in another scheme
-(``s3://other``) or collide with the store's own hidden staging names (leading ``.``).
+A *key* is a relative, '/'-separated path below the store's root. Every part of a key is checked against
+one conservative rule (``[A-Za-z0-9_][A-Za-z0-9._-]*``) so that nothing a caller passes can climb out of the
+root (``..``), become absolute (``/etc``), smuggle in another scheme (``s3://other``) or collide with the
+store's own hidden staging names (leading ``.``).
 
 Layout (docs/architecture.md §6)::
 
     <root>/<run_id>/rollout-<n>/<task>/rank-<r>.safetensors
     <root>/<run_id>/checkpoints/<step>/...            (a directory with MANIFEST.json)
+    <root>/<run_id>/checkpoints/<step>-rank-<r>/...   (rank r's part of it, when rank r holds shards)
+    <root>/<run_id>/quarantine/<step>-<time>/...      (a damaged checkpoint, moved aside, never deleted)
     <root>/<run_id>/lease.json                        (who runs the run now: ``infra.store.lease``)
 """
 
@@ -19,14 +21,18 @@ import re
 from dataclasses import dataclass
 
 MANIFEST_NAME = "MANIFEST.json"
-MANIFEST_FORMAT = "dmd2-flows/manifest-v1"
+# v2: entries hold the plain sha256 of each file; v1 (older stores, still read) a piece-wise one.
+MANIFEST_FORMAT = "dmd2-flows/manifest-v2"
+MANIFEST_FORMATS = (MANIFEST_FORMAT, "dmd2-flows/manifest-v1")
 CHECKPOINTS_DIR = "checkpoints"
+QUARANTINE_DIR = "quarantine"
 # A file, not a folder: listings of rollouts and checkpoints (and so ``prune``) see only folders.
 LEASE_NAME = "lease.json"
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 _ROLLOUT_DIR_RE = re.compile(r"rollout-(0|[1-9][0-9]*)")
 _STEP_DIR_RE = re.compile(r"0|[1-9][0-9]*")
+_STEP_PART_RE = re.compile(r"(0|[1-9][0-9]*)(-rank-[0-9]+)?")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
@@ -97,6 +103,16 @@ def checkpoint_key(run_id: str, step: int) -> str:
     return f"{checkpoints_prefix(run_id)}/{_validate_index(step, 'step')}"
 
 
+def part_key(key: str, rank: int) -> str:
+    """The key of rank ``rank``'s part of the checkpoint at ``key`` (a sibling: not a step folder)."""
+    return f"{key}-rank-{_validate_index(rank, 'rank')}"
+
+
+def quarantine_prefix(run_id: str) -> str:
+    """Key of the folder where a run's damaged checkpoints are moved: ``<run_id>/quarantine``."""
+    return f"{validate_name(run_id, 'run id')}/{QUARANTINE_DIR}"
+
+
 def lease_key(run_id: str) -> str:
     """Key of a run's lease: ``<run_id>/lease.json``."""
     return f"{validate_name(run_id, 'run id')}/{LEASE_NAME}"
@@ -113,6 +129,12 @@ def parse_step_dir(name: str) -> int | None:
     return int(name) if _STEP_DIR_RE.fullmatch(name) else None
 
 
+def parse_step_part(name: str) -> int | None:
+    """The step of a checkpoint folder or of a rank's part of it (``<step>``, ``<step>-rank-<r>``), or None."""
+    match = _STEP_PART_RE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
 def is_sha256(value: object) -> bool:
     """True for a lowercase hex sha256 digest."""
     return isinstance(value, str) and _SHA256_RE.fullmatch(value) is not None
@@ -120,7 +142,7 @@ def is_sha256(value: object) -> bool:
 
 @dataclass(frozen=True)
 class ManifestEntry:
-    """One file of a stored directory: its relative path, size and digest (piece-wise sha256)."""
+    """One file of a stored directory: its relative path, size and sha256 (piece-wise in a v1 manifest)."""
 
     path: str
     nbytes: int
@@ -145,7 +167,7 @@ def decode_manifest(data: bytes, uri: str) -> list[ManifestEntry]:
     """
     try:
         document = json.loads(data.decode("utf-8"))
-        if document.get("format") != MANIFEST_FORMAT:
+        if document.get("format") not in MANIFEST_FORMATS:
             raise ValueError(f"unknown format {shown(document.get('format'))}")
         entries = [_decode_entry(item) for item in document["files"]]
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:

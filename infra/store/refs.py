@@ -16,10 +16,10 @@ KINDS = ("tensors", "json", "dir")
 class ArtifactRef:
     """A persisted artifact: where it is, what its bytes hash to, how big, what kind.
 
-    ``sha256`` is the store's digest of the stored object, a piece-wise sha256
-    (``infra.store.digest``; for ``kind == "dir"``: of its MANIFEST.json, which lists every
-    file's digest); ``nbytes`` is the object's size (for a directory: the sum of
-    its files). Plain str/int fields, so Prefect can persist it, and ``to_json``/``from_json``
+    ``sha256`` is the plain sha256 of the stored object, as ``sha256sum`` prints it (for ``kind ==
+    "dir"``: of its MANIFEST.json, which lists every file's sha256; a ref of an older store may hold its
+    piece-wise digest, ``infra.store.digest``); ``nbytes`` is the object's size (for a directory: the sum
+    of its files). Plain str/int fields, so Prefect can persist it, and ``to_json``/``from_json``
     (or ``to_dict``/``from_dict``) round-trip it exactly.
     """
 

@@ -20,26 +20,31 @@ import pytest
 import safetensors.torch
 import torch
 
+from infra.store import io as store_io
 from infra.store import s3 as store_s3
 from infra.store import (
     ArtifactExistsError,
     ArtifactRef,
     ArtifactStore,
     IntegrityError,
-    RetryPolicy,
     StoreAccessError,
     StoreNotFoundError,
     StoreUnavailableError,
 )
 from infra.store.artifacts import STALE_STAGING_S
-from infra.store.faults import Fault, call_with_retries, classify
+from infra.store.faults import s3_error
 from infra.store.io import hidden_sibling
-from infra.store.tensors import DTYPE_NAMES
 from tests.infra.conftest import BUCKET, s3_client
 from tests.infra.store.digest_reference import PIECE, reference_digest
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 RUN = "run-1"
+# Every dtype safetensors writes (its table, safetensors.torch._TYPES, less the fnuz float8s).
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.complex64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint64, torch.uint32,
+          torch.uint16, torch.uint8, torch.bool]
+# botocore's debug line before each retry of a request (botocore/retries/standard.py).
+RETRY_LOG = "Retry needed"
 
 
 def assert_bitwise_equal(expected: dict, actual: dict) -> None:
@@ -73,7 +78,7 @@ def every_dtype() -> dict[str, torch.Tensor]:
     the order of the names) and random bytes (NaN payloads and subnormals included)."""
     generator = torch.Generator().manual_seed(1)
     tensors = {}
-    for index, dtype in enumerate(DTYPE_NAMES):
+    for index, dtype in enumerate(DTYPES):
         count = 2 * index + 1
         if dtype is torch.bool:
             tensors["bool"] = torch.randint(0, 2, (count,), generator=generator).bool()
@@ -172,8 +177,8 @@ def test_every_dtype_round_trips(store_target):
 
 
 def test_stored_tensors_are_plain_aligned_safetensors(tmp_path):
-    """The store writes safetensors itself: safetensors' own reader loads the file, and every
-    tensor starts at a multiple of its element size, as with safetensors' writer."""
+    """The store writes safetensors with safetensors' own writer: its reader loads the file, every tensor
+    starts at a multiple of its element size, and the ref holds the file's plain sha256."""
     store = ArtifactStore(f"file://{tmp_path}")
     tensors = {**every_dtype(), **sample_tensors()}
     key = store.rollout_key(RUN, 0, "actor", 0)
@@ -193,7 +198,7 @@ _BASE = torch.arange(8.0)
 @pytest.mark.parametrize(
     "tensors, error",
     [
-        ({"t": torch.zeros(3, 4).t()}, "not contiguous"),
+        ({"t": torch.zeros(3, 4).t()}, "non contiguous"),
         ({"t": torch.zeros(4).to_sparse()}, "sparse"),
         ({"t": torch.zeros(2, dtype=torch.complex128)}, "dtype"),
         ({"__metadata__": torch.zeros(2)}, "__metadata__"),
@@ -216,11 +221,9 @@ def test_disjoint_views_of_one_tensor_are_stored(tmp_path):
 
 
 def test_large_tensors_stream_to_and_from_s3_in_parts(s3_target, monkeypatch):
-    """A large put_tensors is a multipart upload straight from the tensors' memory (S3 marks a
-    multipart object's ETag with '-<parts>'), and the object is the same file, same digest; its
-    get is parallel ranged GETs, and a flipped byte in any range is caught."""
+    """A large put_tensors is a multipart upload (S3 marks a multipart object's ETag with '-<parts>'), and
+    the object is the same file, same digest; a flipped byte anywhere in it is caught."""
     monkeypatch.setattr(store_s3, "_UPLOAD_BLOCK_BYTES", 5 * 2**20)  # S3's smallest part
-    monkeypatch.setattr(store_s3, "_DOWNLOAD_SPAN_BYTES", 2 * PIECE)  # the get: six ranged GETs
     store = ArtifactStore(s3_target.root_uri)
     tensors = {"big": torch.randn(3_000_000), "small": torch.arange(10)}  # ~12 MB
     key = store.rollout_key(RUN, 0, "actor", 0)
@@ -230,13 +233,13 @@ def test_large_tensors_stream_to_and_from_s3_in_parts(s3_target, monkeypatch):
     assert ref.nbytes == len(data) and ref.sha256 == reference_digest(data)
     assert_bitwise_equal(tensors, safetensors.torch.load(data))
     assert_bitwise_equal(tensors, store.get_tensors(ref))
-    s3_target.flip_byte(key, 5 * PIECE + 3)  # in the third range
+    s3_target.flip_byte(key, 5 * PIECE + 3)  # in the second part
     with pytest.raises(IntegrityError):
         store.get_tensors(ref)
 
 
 def test_files_of_safetensors_own_writer_are_read(tmp_path):
-    """Files written by save_file (as the store did before it laid out files itself) load."""
+    """Files written by save_file (as any safetensors writer) load."""
     store = ArtifactStore(f"file://{tmp_path}")
     tensors = {**every_dtype(), **sample_tensors()}
     key = store.rollout_key(RUN, 0, "actor", 0)
@@ -261,29 +264,23 @@ def _entry(dtype: str, shape: list, begin: int, end: int) -> dict:
 @pytest.mark.parametrize(
     "contents, error",
     [
-        (b"\x01\x00", "too short"),
-        (_file_with_header({}, b"", length=1000), "past the end"),
-        (_file_with_header(b"not json", b""), "not JSON"),
-        (_file_with_header(b"\xff\xfe", b""), "not JSON"),
-        (_file_with_header([1, 2], b""), "not a JSON object"),
-        (_file_with_header({"a": _entry("F33", [1], 0, 4)}, bytes(4)), "bad safetensors header"),
-        (_file_with_header({"a": {"dtype": "F32"}}, bytes(4)), "bad safetensors header"),
-        (_file_with_header({"a": _entry("F32", [-1], 0, 4)}, bytes(4)), "bad shape"),
-        (_file_with_header({"a": _entry("F32", [True], 0, 4)}, bytes(4)), "bad shape"),
-        (_file_with_header({"a": _entry("F32", [2], 0, 4)}, bytes(4)), "do not match"),
-        (_file_with_header({"a": _entry("F32", [1], 4, 8)}, bytes(8)), "does not start"),
-        (_file_with_header({"a": _entry("F32", [1], 0, 4)}, bytes(8)), "do not fill"),
-        (
-            _file_with_header(
-                {"a": _entry("U8", [1], 0, 1), "b": _entry("F32", [1], 1, 5)}, bytes(5)
-            ),
-            "not aligned",
-        ),
+        (b"\x01\x00", "header too small"),
+        (_file_with_header({}, b"", length=1000), "invalid header length"),
+        (_file_with_header(b"not json", b""), "invalid JSON"),
+        (_file_with_header(b"\xff\xfe", b""), "invalid UTF-8"),
+        (_file_with_header([1, 2], b""), "invalid type: sequence"),
+        (_file_with_header({"a": _entry("F33", [1], 0, 4)}, bytes(4)), "unknown variant"),
+        (_file_with_header({"a": {"dtype": "F32"}}, bytes(4)), "missing field"),
+        (_file_with_header({"a": _entry("F32", [-1], 0, 4)}, bytes(4)), "integer `-1`"),
+        (_file_with_header({"a": _entry("F32", [True], 0, 4)}, bytes(4)), "boolean"),
+        (_file_with_header({"a": _entry("F32", [2], 0, 4)}, bytes(4)), "invalid shape"),
+        (_file_with_header({"a": _entry("F32", [1], 4, 8)}, bytes(8)), "invalid offset"),
+        (_file_with_header({"a": _entry("F32", [1], 0, 4)}, bytes(8)), "not fully covered"),
     ],
 )
 def test_verified_bytes_that_are_not_safetensors_are_refused(tmp_path, contents, error):
-    """The header is checked as safetensors' loader checks it, even on bytes that match their
-    ref (a ref forged by someone who can write the store): never a tensor out of bounds."""
+    """The header is checked by safetensors' loader, even on bytes that match their ref (a ref forged by
+    someone who can write the store): never a tensor out of bounds, and a clear error naming the object."""
     store = ArtifactStore(f"file://{tmp_path}")
     key = store.rollout_key(RUN, 0, "actor", 0)
     path = tmp_path / key
@@ -291,8 +288,21 @@ def test_verified_bytes_that_are_not_safetensors_are_refused(tmp_path, contents,
     path.write_bytes(contents)
     digest = reference_digest(contents)
     ref = ArtifactRef(store.uri(key), digest, len(contents), "tensors")
-    with pytest.raises(ValueError, match=error):
+    with pytest.raises(ValueError, match=f"{key} is not a safetensors file: .*{error}"):
         store.get_tensors(ref)
+
+
+def test_a_tensor_not_aligned_to_its_element_size_loads_whole(tmp_path):
+    """safetensors' loader copies each tensor out of the file's bytes, so an odd offset is read right."""
+    store = ArtifactStore(f"file://{tmp_path}")
+    key = store.rollout_key(RUN, 0, "actor", 0)
+    value = torch.tensor([1.5])
+    contents = _file_with_header({"a": _entry("U8", [1], 0, 1), "b": _entry("F32", [1], 1, 5)},
+                                 bytes([7]) + value.numpy().tobytes())
+    (tmp_path / key).parent.mkdir(parents=True)
+    (tmp_path / key).write_bytes(contents)
+    ref = ArtifactRef(store.uri(key), reference_digest(contents), len(contents), "tensors")
+    assert_bitwise_equal({"a": torch.tensor([7], dtype=torch.uint8), "b": value}, store.get_tensors(ref))
 
 
 def test_json_round_trip(store_target):
@@ -535,8 +545,7 @@ def test_flipped_byte_in_tensor_header_is_an_integrity_error(store_target):
 
 
 def test_a_flipped_byte_is_detected_in_any_piece(store_target):
-    """An object is read and hashed in 1 MiB pieces, in parallel: damage in the first, a middle
-    or the last piece fails the read."""
+    """Damage in the first, a middle or the last MiB of an object fails the read."""
     store = ArtifactStore(store_target.root_uri)
     tensors = {"a": torch.randn(800_000), "b": torch.randn(3_333, dtype=torch.float64)}
     key = store.rollout_key(RUN, 0, "score", 0)
@@ -564,11 +573,11 @@ def test_loaded_tensors_are_private_copies_of_the_verified_bytes(tmp_path):
     assert_bitwise_equal(tensors, loaded)
 
 
-def test_directory_files_of_every_size_copy_in_parallel_spans(store_target, tmp_path, monkeypatch):
-    """Files are copied span by span in parallel (ranged GETs on S3, positional reads locally):
-    empty, one byte, and many spans with a ragged end all arrive whole, with the reference
-    digest in the manifest; a flipped byte in a middle span is caught."""
-    monkeypatch.setattr(store_s3, "_DOWNLOAD_SPAN_BYTES", 2 * PIECE)
+def test_directory_files_of_every_size_copy_in_blocks(store_target, tmp_path, monkeypatch):
+    """Files are copied block by block (ranged GETs on S3), hashed as they pass: empty, one byte, and many
+    blocks with a ragged end all arrive whole, with the reference digest in the manifest; a flipped byte in
+    a middle block is caught."""
+    monkeypatch.setattr(store_io, "BLOCK_BYTES", 2 * PIECE)
     store = ArtifactStore(store_target.root_uri)
     sizes = {"empty": 0, "one": 1, "model/weights.bin": 5 * PIECE + 3}
     source = make_source_dir(tmp_path / "src", sizes)
@@ -672,9 +681,10 @@ def test_unsupported_or_credentialed_roots_are_refused(root):
 
 
 def test_store_pickles_without_state(store_target):
-    store = ArtifactStore(store_target.root_uri, RetryPolicy(max_attempts=3))
+    store = ArtifactStore(store_target.root_uri, retry_mode="adaptive", max_attempts=3)
     clone = pickle.loads(pickle.dumps(store))
-    assert clone.root_uri == store.root_uri and clone.retry == store.retry
+    assert clone.root_uri == store.root_uri
+    assert (clone.retry_mode, clone.max_attempts) == ("adaptive", 3)
 
 
 # -- retention -----------------------------------------------------------------------------------
@@ -743,37 +753,39 @@ def test_prune_deletes_what_killed_writers_left_and_nothing_live(tmp_path):
 
 
 def test_put_is_retried_while_s3_restarts(s3_target, moto_server, caplog):
-    store = ArtifactStore(s3_target.root_uri)  # the default RetryPolicy must ride this out
+    store = ArtifactStore(s3_target.root_uri)  # the default retries (botocore's) must ride this out
     before = store.put_json(f"{RUN}/before.json", 1)
     tensors = sample_tensors()
 
     moto_server.stop()
     restarter = moto_server.start_after(2.0)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="infra"):
+    with caplog.at_level(logging.DEBUG, logger="botocore.retries"):
         ref = store.put_tensors(store.rollout_key(RUN, 0, "actor", 0), tensors)
     elapsed = time.monotonic() - started
     restarter.join(timeout=30)
 
     assert elapsed > 1.5, "the put cannot have succeeded while the server was down"
-    assert "retrying" in caplog.text
+    assert RETRY_LOG in caplog.text
     assert_bitwise_equal(tensors, store.get_tensors(ref))
     # moto's state lives in-process: the bucket and earlier objects survived the restart.
     assert store.get_json(before) == 1
 
 
-def test_unreachable_endpoint_gives_up_after_bounded_retries(s3_target, monkeypatch):
+def test_unreachable_endpoint_gives_up_after_bounded_retries(s3_target, monkeypatch, caplog):
+    """botocore alone retries: 3 attempts are 2 retries, not multiplied by a retry loop of s3fs's or ours."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: refused
-    store = ArtifactStore(s3_target.root_uri, RetryPolicy(max_attempts=3, initial_delay_s=0.05))
-    with pytest.raises(StoreUnavailableError) as info:
+    store = ArtifactStore(s3_target.root_uri, max_attempts=3)
+    with caplog.at_level(logging.DEBUG, logger="botocore.retries"), pytest.raises(StoreUnavailableError) as info:
         store.put_json(f"{RUN}/x.json", 1)
     assert "3 attempts" in str(info.value) and "AWS_ENDPOINT_URL" in str(info.value)
+    assert caplog.text.count(RETRY_LOG) == 2
 
 
 def test_service_specific_endpoint_variable_is_honoured(s3_target, moto_server, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_server.endpoint)  # botocore: S3-specific wins
-    store = ArtifactStore(s3_target.root_uri, RetryPolicy(max_attempts=1))
+    store = ArtifactStore(s3_target.root_uri, max_attempts=1)
     assert store.get_json(store.put_json(f"{RUN}/x.json", {"a": 1})) == {"a": 1}
 
 
@@ -791,7 +803,7 @@ def test_wrong_credentials_fail_at_once_without_leaking_the_secret(
         store.put_tensors(store.rollout_key(RUN, 0, "actor", 0), {"x": torch.ones(1)})
     with pytest.raises(StoreAccessError) as list_error:
         store.latest_checkpoint(RUN)
-    assert "retrying" not in caplog.text, "refused credentials must not be retried"
+    assert RETRY_LOG not in caplog.text, "refused credentials must not be retried"
 
     for error in (put_error.value, list_error.value):
         message = str(error)
@@ -805,12 +817,12 @@ def test_wrong_credentials_fail_at_once_without_leaking_the_secret(
 
 def test_missing_bucket_fails_at_once(s3_env, caplog):
     store = ArtifactStore("s3://no-such-bucket/artifacts")
-    with caplog.at_level(logging.WARNING, logger="infra"):
+    with caplog.at_level(logging.DEBUG, logger="botocore.retries"):
         with pytest.raises(StoreNotFoundError) as info:
             store.put_json(f"{RUN}/x.json", 1)
         with pytest.raises(StoreNotFoundError):
             store.latest_checkpoint(RUN)  # a missing bucket is not "no checkpoint yet"
-    assert "retrying" not in caplog.text, "a missing bucket must not be retried"
+    assert RETRY_LOG not in caplog.text, "a missing bucket must not be retried"
     assert "no-such-bucket" in str(info.value) and "AWS_ENDPOINT_URL" in str(info.value)
 
 
@@ -823,55 +835,32 @@ def _client_error(code: str, status: int) -> botocore.exceptions.ClientError:
 
 
 @pytest.mark.parametrize(
-    "error, fault",
+    "error, translated",
     [
-        (_client_error("SlowDown", 503), Fault.TRANSIENT),
-        (_client_error("InternalError", 500), Fault.TRANSIENT),
-        (_client_error("Throttling", 400), Fault.TRANSIENT),
-        (_client_error("Whatever", 502), Fault.TRANSIENT),
-        (_client_error("InvalidAccessKeyId", 403), Fault.CREDENTIALS),
-        (_client_error("SignatureDoesNotMatch", 403), Fault.CREDENTIALS),
-        (_client_error("AccessDenied", 403), Fault.CREDENTIALS),
-        (_client_error("403", 403), Fault.CREDENTIALS),
-        (_client_error("NoSuchBucket", 404), Fault.MISSING_BUCKET),
-        (_client_error("NoSuchKey", 404), Fault.OTHER),
-        (ConnectionRefusedError(111, "refused"), Fault.TRANSIENT),
-        (botocore.exceptions.EndpointConnectionError(endpoint_url="http://x"), Fault.TRANSIENT),
-        (botocore.exceptions.NoCredentialsError(), Fault.CREDENTIALS),
-        (ValueError("bug"), Fault.OTHER),
+        (_client_error("SlowDown", 503), StoreUnavailableError),
+        (_client_error("InternalError", 500), StoreUnavailableError),
+        (_client_error("Throttling", 400), StoreUnavailableError),
+        (_client_error("Whatever", 502), StoreUnavailableError),
+        (_client_error("InvalidAccessKeyId", 403), StoreAccessError),
+        (_client_error("SignatureDoesNotMatch", 403), StoreAccessError),
+        (_client_error("AccessDenied", 403), StoreAccessError),
+        (_client_error("403", 403), StoreAccessError),
+        (_client_error("NoSuchBucket", 404), StoreNotFoundError),
+        (_client_error("NoSuchKey", 404), None),
+        (ConnectionRefusedError(111, "refused"), StoreUnavailableError),
+        (botocore.exceptions.EndpointConnectionError(endpoint_url="http://x"), StoreUnavailableError),
+        (botocore.exceptions.NoCredentialsError(), StoreAccessError),
+        (ValueError("bug"), None),
     ],
 )
-def test_faults_are_classified(error, fault):
-    assert classify(error) is fault
+def test_what_still_fails_after_the_retries_is_translated(error, translated):
+    """What S3 still raises after botocore's last attempt, as the store error to act on (None: it propagates
+    as it is), also once s3fs has wrapped it in an OSError."""
     wrapped = OSError("translated by s3fs")
     wrapped.__cause__ = error
-    assert classify(wrapped) is fault
-
-
-def test_retries_are_bounded_and_only_for_transient_faults():
-    calls = []
-
-    def flaky(fail_times: int, error: Exception):
-        def call():
-            calls.append(1)
-            if len(calls) <= fail_times:
-                raise error
-            return "done"
-        return call
-
-    policy = RetryPolicy(max_attempts=4, initial_delay_s=0.001)
-    assert call_with_retries(flaky(3, _client_error("SlowDown", 503)), policy, "op") == "done"
-    assert len(calls) == 4
-    calls.clear()
-    with pytest.raises(botocore.exceptions.ClientError):
-        call_with_retries(flaky(10, _client_error("SlowDown", 503)), policy, "op")
-    assert len(calls) == 4
-    calls.clear()
-    with pytest.raises(botocore.exceptions.ClientError):
-        call_with_retries(flaky(10, _client_error("AccessDenied", 403)), policy, "op")
-    assert len(calls) == 1
-    delays = list(RetryPolicy(max_attempts=6, initial_delay_s=1, max_delay_s=4, jitter=0).delays())
-    assert delays == [1, 2, 4, 4, 4]
+    for raised in (error, wrapped):
+        found = s3_error(raised, "s3://b/k", "b", "http://127.0.0.1:1", attempts=8)
+        assert type(found) is translated if translated else found is None
 
 
 def test_a_put_leaves_its_tensors_resizable(tmp_path):

@@ -1,203 +1,108 @@
-"""Tests of infra/store/digest.py: the store's piece-wise sha256, however the bytes arrive."""
+"""Tests of infra/store/digest.py and `python -m infra.store`: the store keeps the plain sha256 of every object,
+what `sha256sum` prints; stores written before manifest format v2 (a piece-wise digest) still read."""
 
 from __future__ import annotations
 
+import json
 import os
-import select
-import signal
+import shutil
 import subprocess
 import sys
-import threading
+from pathlib import Path
 
 import pytest
+import torch
 
-from infra.store.digest import (
-    PiecewiseSha256,
-    file_digest,
-    fill_hashing,
-    hash_threads,
-    piecewise_sha256,
-)
-from tests.infra.store.digest_reference import PIECE, reference_digest
+from infra.store import ArtifactRef, ArtifactStore, IntegrityError
+from infra.store.digest import file_sha256, legacy_sha256, sha256_hex
+from tests.infra.store.digest_reference import PIECE, legacy_digest, reference_digest
 
 # Empty, shorter than a piece, exactly one, one byte either side of a boundary, several.
-SIZES = [0, 1, PIECE - 1, PIECE, PIECE + 1, 3 * PIECE, 3 * PIECE + 12345]
+SIZES = [0, 1, PIECE - 1, PIECE, PIECE + 1, 3 * PIECE + 12345]
+RUN = "run-1"
 
 
 @pytest.mark.parametrize("size", SIZES)
-def test_digest_of_a_buffer_matches_the_reference(size):
+def test_digests_match_the_references(size, tmp_path):
     data = os.urandom(size)
-    assert piecewise_sha256(data) == reference_digest(data)
+    (tmp_path / "f").write_bytes(data)
+    assert sha256_hex(data) == file_sha256(tmp_path / "f") == reference_digest(data)
+    assert legacy_sha256(data) == file_sha256(tmp_path / "f", legacy=True) == legacy_digest(data)
 
 
-def test_digest_is_not_a_plain_sha256_and_sees_every_byte():
-    import hashlib
-
-    data = bytearray(os.urandom(2 * PIECE + 7))
-    digest = piecewise_sha256(data)
-    assert digest != hashlib.sha256(data).hexdigest()
-    for position in (0, PIECE - 1, PIECE, len(data) - 1):
-        flipped = bytearray(data)
-        flipped[position] ^= 1
-        assert piecewise_sha256(flipped) != digest, position
-    assert piecewise_sha256(data[:-1]) != digest  # a shorter object, same pieces but the last
-
-
-@pytest.mark.parametrize("max_backlog", [None, 1, 3])
-def test_a_stream_cut_anywhere_gives_the_same_digest(max_backlog):
-    """Buffers of any sizes: pieces that span buffers are joined, empty buffers change nothing."""
-    sizes = [0, 1, 5000, 3 * PIECE, 17, PIECE, PIECE - 5018, 0, 2 * PIECE + 3]
-    buffers = [os.urandom(size) for size in sizes]
-    with PiecewiseSha256(max_backlog=max_backlog) as hasher:
-        for buffer in buffers:
-            hasher.update(memoryview(buffer))
-        digest = hasher.hexdigest()
-    assert digest == reference_digest(b"".join(buffers))
-
-
-def test_digest_is_final():
-    with PiecewiseSha256() as hasher:
-        hasher.update(b"abc")
-        digest = hasher.hexdigest()
-        assert hasher.hexdigest() == digest == reference_digest(b"abc")
-        with pytest.raises(RuntimeError, match="final"):
-            hasher.update(b"d")
-
-
-def test_a_failed_caller_leaves_no_piece_queued():
-    """Leaving the block on an error drops the queued pieces and waits for the running ones,
-    so no thread still reads the caller's buffers; the pool keeps serving other hashers."""
-    buffers = [bytearray(os.urandom(4 * PIECE)) for _ in range(4)]
-    with pytest.raises(RuntimeError, match="write failed"):
-        with PiecewiseSha256() as hasher:
-            for buffer in buffers:
-                hasher.update(buffer)
-            raise RuntimeError("write failed")
-    assert all(piece.done() for piece in hasher._queued)
-    assert piecewise_sha256(buffers[0]) == reference_digest(bytes(buffers[0]))
-
-
-def _pread_from(data: bytes):
-    def read_at(piece: memoryview, offset: int) -> int:
-        source = data[offset : offset + len(piece)]
-        piece[: len(source)] = source
-        return len(source)
-
-    return read_at
-
-
-@pytest.mark.parametrize("size", SIZES)
-def test_fill_hashing_reads_every_byte_and_hashes_it(size):
-    data = os.urandom(size)
-    dest = memoryview(bytearray(size))
-    assert fill_hashing(dest, _pread_from(data)) == (reference_digest(data), size)
-    assert dest.tobytes() == data
-
-
-@pytest.mark.parametrize("size", [0, 1, 3 * PIECE - 1, 3 * PIECE, 7 * PIECE + 5])
-def test_fill_hashing_in_spans_of_several_pieces(size):
-    """A network read fetches several pieces per request; the digest is still per piece."""
-    data = os.urandom(size)
-    calls = []
-
-    def read_at(region: memoryview, offset: int) -> int:
-        calls.append((offset, len(region)))
-        return _pread_from(data)(region, offset)
-
-    dest = memoryview(bytearray(size))
-    assert fill_hashing(dest, read_at, span=3 * PIECE) == (reference_digest(data), size)
-    assert dest.tobytes() == data
-    assert sorted(calls) == [(at, min(3 * PIECE, size - at)) for at in range(0, size, 3 * PIECE)]
-    with pytest.raises(ValueError, match="multiple"):
-        fill_hashing(dest, read_at, span=PIECE + 1)
-
-
-def test_fill_hashing_of_a_shorter_object_hashes_what_is_there():
-    """A file that shrank after its size was taken: the digest is that of the shorter bytes."""
-    data = os.urandom(2 * PIECE + 10)
-    dest = memoryview(bytearray(5 * PIECE))
-    assert fill_hashing(dest, _pread_from(data)) == (reference_digest(data), len(data))
-    assert fill_hashing(dest, _pread_from(data), span=2 * PIECE) == (reference_digest(data), len(data))
-
-
-def test_fill_hashing_reads_the_rest_of_a_piece_after_a_short_read():
-    """read_at may return fewer bytes than asked (as a pipe or a network read does)."""
-    data = os.urandom(2 * PIECE + 10)
-
-    def read_little(piece: memoryview, offset: int) -> int:
-        return _pread_from(data)(piece[:1000], offset)
-
-    dest = memoryview(bytearray(len(data)))
-    assert fill_hashing(dest, read_little) == (reference_digest(data), len(data))
-
-
-def test_fill_hashing_raises_the_reader_s_error():
-    def failing(piece: memoryview, offset: int) -> int:
-        if offset >= PIECE:
-            raise OSError("disk gone")
-        piece[:] = bytes(len(piece))
-        return len(piece)
-
-    with pytest.raises(OSError, match="disk gone"):
-        fill_hashing(memoryview(bytearray(4 * PIECE)), failing)
-
-
-def test_hashers_on_many_threads_share_the_pool():
-    data = [os.urandom(2 * PIECE + n) for n in range(6)]
-    results: dict[int, str] = {}
-
-    def work(index: int) -> None:
-        results[index] = piecewise_sha256(data[index])
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(data))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert results == {i: reference_digest(d) for i, d in enumerate(data)}
-    assert 1 <= hash_threads() <= 16
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_child_hashes_with_its_own_threads():
-    """A child forked after the pool started inherits the pool object but none of its threads;
-    it must start its own pool, not queue pieces that nothing will ever hash."""
-    data = os.urandom(3 * PIECE)
-    assert piecewise_sha256(data) == reference_digest(data)  # the parent's pool is running
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: hash, report, exit without running the parent's test teardown
-        try:
-            os.write(write_end, piecewise_sha256(data).encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    try:
-        ready, _, _ = select.select([read_end], [], [], 30)
-        if not ready:  # the child is stuck (pieces queued on threads it does not have)
-            os.kill(pid, signal.SIGKILL)
-        with os.fdopen(read_end, "rb") as pipe:
-            reported = pipe.read().decode() if ready else "nothing within 30 s"
-    finally:
-        os.waitpid(pid, 0)
-    assert reported == reference_digest(data)
-
-
-def test_file_digest_and_the_command_line(tmp_path):
-    first, second = tmp_path / "a.bin", tmp_path / "b.bin"
-    first.write_bytes(os.urandom(PIECE + 3))
-    second.write_bytes(b"")
-    assert file_digest(first) == (reference_digest(first.read_bytes()), PIECE + 3)
-    result = subprocess.run(
-        [sys.executable, "-m", "infra.store", str(first), str(second)],
-        capture_output=True, text=True, check=True,
-    )
-    assert result.stdout.splitlines() == [
-        f"{reference_digest(first.read_bytes())}  {first}",
-        f"{reference_digest(b'')}  {second}",
-    ]
-    missing = subprocess.run(
-        [sys.executable, "-m", "infra.store", str(tmp_path / "nope")],
-        capture_output=True, text=True,
-    )
+def test_the_command_line_prints_what_sha256sum_prints(tmp_path):
+    if shutil.which("sha256sum") is None:
+        pytest.skip("no sha256sum here")
+    files = [tmp_path / "a.bin", tmp_path / "empty", tmp_path / "big.bin"]
+    for path, size in zip(files, (PIECE + 3, 0, 3 * PIECE + 7)):
+        path.write_bytes(os.urandom(size))
+    ours = subprocess.run([sys.executable, "-m", "infra.store", *map(str, files)],
+                          capture_output=True, text=True, check=True)
+    theirs = subprocess.run(["sha256sum", *map(str, files)], capture_output=True, text=True, check=True)
+    assert ours.stdout == theirs.stdout and len(ours.stdout.splitlines()) == 3
+    missing = subprocess.run([sys.executable, "-m", "infra.store", str(tmp_path / "nope")],
+                             capture_output=True, text=True)
     assert missing.returncode == 1 and "cannot read" in missing.stderr and "nope" in missing.stderr
+
+
+def test_refs_and_manifests_hold_what_sha256sum_prints(tmp_path):
+    if shutil.which("sha256sum") is None:
+        pytest.skip("no sha256sum here")
+    store = ArtifactStore(f"file://{tmp_path / 'store'}")
+    key = store.rollout_key(RUN, 0, "actor", 0)
+    ref = store.put_tensors(key, {"x": torch.randn(1000)})
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "w.bin").write_bytes(os.urandom(PIECE + 5))
+    directory = store.put_dir(store.checkpoint_key(RUN, 1), source)
+    stored = tmp_path / "store"
+    manifest = stored / RUN / "checkpoints" / "1" / "MANIFEST.json"
+    printed = subprocess.run(["sha256sum", str(stored / key), str(source / "w.bin"), str(manifest)],
+                             capture_output=True, text=True, check=True).stdout.split()[::2]
+    entry = json.loads(manifest.read_text())["files"][0]
+    assert [ref.sha256, entry["sha256"], directory.sha256] == printed
+
+
+def _write_the_old_way(folder: Path, files: dict[str, bytes]) -> str:
+    """A directory as stores before manifest v2 wrote it: piece-wise digests in a v1 manifest. Returns the
+    manifest's own (piece-wise) digest, as the old ref held it."""
+    folder.mkdir(parents=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    entries = [{"path": name, "nbytes": len(data), "sha256": legacy_digest(data)} for name, data in sorted(files.items())]
+    manifest = json.dumps({"format": "dmd2-flows/manifest-v1", "files": entries}, sort_keys=True, indent=1).encode()
+    (folder / "MANIFEST.json").write_bytes(manifest)
+    return legacy_digest(manifest)
+
+
+def test_a_store_written_the_old_way_still_reads_and_still_catches_damage(tmp_path):
+    store = ArtifactStore(f"file://{tmp_path / 'store'}")
+    tensors = {"x": torch.randn(300_000)}  # > 1 MiB: more than one legacy piece
+    key = store.rollout_key(RUN, 0, "actor", 0)
+    path = tmp_path / "store" / key
+    path.parent.mkdir(parents=True)
+    store.put_tensors(key, tensors)
+    data = path.read_bytes()
+    old_ref = ArtifactRef(store.uri(key), legacy_digest(data), len(data), "tensors")
+    assert old_ref.sha256 != reference_digest(data)
+    assert torch.equal(store.get_tensors(old_ref)["x"], tensors["x"])
+
+    files = {"a.bin": os.urandom(2 * PIECE + 1), "b.json": b"{}"}
+    checkpoint = tmp_path / "store" / RUN / "checkpoints" / "3"
+    old_dir = ArtifactRef(store.uri(f"{RUN}/checkpoints/3"), _write_the_old_way(checkpoint, files),
+                          sum(map(len, files.values())), "dir")
+    assert store.latest_checkpoint(RUN).step == 3
+    found = store.find_dir(f"{RUN}/checkpoints/3")  # a ref made today names the manifest's plain sha256
+    for ref in (old_dir, found):
+        fetched = store.get_dir(ref, tmp_path / f"out-{ref.sha256[:8]}")
+        assert {p.name: p.read_bytes() for p in fetched.iterdir()} == files
+    assert store.put_dir(f"{RUN}/checkpoints/3", fetched) == found  # the same files again: no new write
+
+    with open(checkpoint / "a.bin", "r+b") as file:  # damage is still damage
+        file.seek(PIECE + 9)
+        file.write(bytes([file.read(1)[0] ^ 1]))
+    with pytest.raises(IntegrityError, match="a.bin"):
+        store.get_dir(old_dir, tmp_path / "damaged")
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(IntegrityError):
+        store.get_tensors(old_ref)
