@@ -29,7 +29,7 @@ from flows.preflight import preflight
 from flows.recipe import DEFAULT_RECIPE, check_run_id
 from flows.rollout import rollout_flow
 from flows.series import series_run_id
-from infra.store import ArtifactStore, IntegrityError, RunLease
+from infra.store import ArtifactStore, RunLease
 from infra.tracking import RunTracker, SystemMetrics, redacted, refuse_user_info, register_student
 from infra.trainers import Groups, RecoverableError, build_groups, ensure_ray, load_groups
 from tasks import runtime
@@ -268,18 +268,16 @@ def _evaluate(run_id: str, store: ArtifactStore, tracker: RunTracker, step: int,
 
 
 def resume(groups: Groups, store: ArtifactStore, run_id: str) -> int:
-    """Load the last complete checkpoint (if any); return the first rollout still to run.
+    """Load the last sound checkpoint (if any); return the first rollout still to run.
 
-    A checkpoint that fails its checksums (or misses a file) is discarded, the user is told, and the
-    one before it is loaded: a run never continues from damaged weights, nor stops for them."""
-    while (latest := store.latest_checkpoint(run_id)) is not None:
-        try:
-            load_groups(groups, latest.ref)
-        except (IntegrityError, FileNotFoundError) as error:
-            get_run_logger().warning("run %s: the checkpoint after %d rollouts is damaged (%s); discarding it and "
-                                     "resuming from the one before", run_id, latest.step, error)
-            store.discard_checkpoint(run_id, latest.step)
-            continue
-        get_run_logger().info("resuming run %s from its checkpoint after %d rollouts", run_id, latest.step)
-        return latest.step
-    return 0
+    A checkpoint that fails its checksums (or misses a file) twice is quarantined, kept under
+    `<run_id>/quarantine/`, the user is told, and the one before it is loaded: a run never continues from
+    damaged weights, nor stops for them. A store that stays down fails the run and condemns nothing."""
+    def damaged(step: int, error: Exception, where: str) -> None:
+        get_run_logger().warning("run %s: the checkpoint after %d rollouts is damaged (%s); moved it to %s and "
+                                 "resuming from the one before", run_id, step, error, where)
+
+    step = store.resume_checkpoint(run_id, lambda ref: load_groups(groups, ref), on_damaged=damaged)
+    if step:
+        get_run_logger().info("resuming run %s from its checkpoint after %d rollouts", run_id, step)
+    return step

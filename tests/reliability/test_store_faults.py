@@ -86,13 +86,14 @@ def test_a_corrupted_rollout_artifact_is_made_again_by_its_task(uninterrupted, t
 
 
 @pytest.mark.slow
-def test_a_corrupted_latest_checkpoint_is_discarded_and_the_one_before_used(uninterrupted, tiny_teacher_dir,
-                                                                           shared_cache, tmp_path, caplog):
+def test_a_corrupted_latest_checkpoint_is_quarantined_and_the_one_before_used(uninterrupted, tiny_teacher_dir,
+                                                                             shared_cache, tmp_path, caplog):
     store_root = tmp_path / "store"
     first = _common(tmp_path, tiny_teacher_dir, shared_cache, rollouts=2)
     distill(**first, run_id="damaged", store_uri=store_root.as_uri())
     shard = next((store_root / "damaged" / "checkpoints" / "2").glob("*.distcp"))
     flip_byte(shard)
+    damaged = shard.read_bytes()
 
     more = _common(tmp_path, tiny_teacher_dir, shared_cache, rollouts=ROLLOUTS)
     with caplog.at_level("WARNING"):
@@ -101,7 +102,13 @@ def test_a_corrupted_latest_checkpoint_is_discarded_and_the_one_before_used(unin
     assert_every_step_once(more["tracking_uri"], continued, ROLLOUTS)
     store = ArtifactStore(store_root.as_uri())
     assert store.list_checkpoints("damaged") == [1, 2, 3]  # 2 written again, from the replay
-    assert any("the checkpoint after 2 rollouts is damaged" in r.getMessage() for r in caplog.records)
+    assert any("the checkpoint after 2 rollouts is damaged" in r.getMessage() and "quarantine" in r.getMessage()
+               for r in caplog.records)
+    # Moved aside and kept as it was found, not deleted: the actor's and the critic's directories of step 2.
+    [kept] = (store_root / "damaged" / "quarantine").iterdir()
+    assert kept.name.startswith("2-") and (kept / "checkpoints" / "2" / shard.name).read_bytes() == damaged
+    assert (kept / "checkpoints" / "2" / MANIFEST_NAME).is_file()
+    assert (kept / "checkpoints_critic" / "2" / MANIFEST_NAME).is_file()
 
 
 @contextmanager
