@@ -2,7 +2,7 @@
 
 Idempotent stages (rollout, convert, score, sleep: functions of the current weights and the rollout's
 seeded draws) retry transient faults. The train stages do not: a retry after a half-finished step
-could apply an optimizer step twice; the store already retries its own transient I/O.
+could apply an optimizer step twice; the store's transient I/O is retried by the store alone.
 
 A stage whose input fails its checksum (bytes corrupted at rest) has the task that made the input run
 again, then runs itself; every stage reads all its inputs before it changes anything. The critic's
@@ -18,19 +18,23 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from infra.trainers import RecoverableError, stages
-from infra.store import ArtifactRef, IntegrityError
-from infra.store.faults import StoreUnavailableError
+from infra.store import ArtifactRef, IntegrityError, StoreUnavailableError
 from tasks.runtime import groups
 
 # A dead rank worker is not among them: Ray does not restart it, so a retry would fail the same way.
-TRANSIENT = (StoreUnavailableError, ConnectionError, TimeoutError)
+TRANSIENT = (ConnectionError, TimeoutError)
 MAX_REMAKES = 2  # per stage: how often a corrupt input is made again before the stage gives up
 
 
 def _transient(task, task_run, state) -> bool:
-    """Prefect's retry condition: retry only faults that a moment's wait can cure."""
+    """Prefect's retry condition: retry only faults that a moment's wait can cure.
+
+    Not a store that stayed down: the store has one retry policy, botocore's (`ArtifactStore(retry_mode,
+    max_attempts)`), which already waited as long as it should; retrying the task would multiply that wait."""
     try:
         state.result()
+    except StoreUnavailableError:
+        return False
     except TRANSIENT:
         return True
     except Exception:
