@@ -15,7 +15,9 @@ Rank 0's directory:
     checkpoint.json         role, step, world size, step counters, linked checkpoints, the other ranks' parts,
                             whether it holds an EMA
 
-Only safetensors and JSON are written, so loading never unpickles anything.
+Only safetensors and JSON are written, so loading never unpickles anything. To load, every rank reads rank
+0's JSON and RNG files, and only the data files its own load plan names (`load_checkpoint`): at the world
+size and layout of the save, its own part and rank 0's file of the tensors every rank holds whole.
 """
 
 import json
@@ -35,7 +37,7 @@ from infra.store import ArtifactRef, ArtifactStore
 from infra.store import keys as store_keys
 from infra.trainers.collective import on_every_rank
 from infra.trainers.offload import local
-from infra.trainers.sharded import load_sharded, save_sharded
+from infra.trainers.sharded import DATA_SUFFIX, load_sharded, save_sharded
 
 INFO_NAME = "checkpoint.json"
 
@@ -43,11 +45,6 @@ INFO_NAME = "checkpoint.json"
 def checkpoint_key(run_id: str, checkpoint_dir: str, step: int) -> str:
     """``<run_id>/<checkpoint_dir>/<step>``: the actor's default dir gives the store's `checkpoint_key`."""
     return store_keys.validate_key(f"{run_id}/{checkpoint_dir}/{int(step)}")
-
-
-def part_key(key: str, rank: int) -> str:
-    """The key of rank ``rank``'s part of the checkpoint at ``key`` (a sibling: not a step folder)."""
-    return f"{key}-rank-{rank}"
 
 
 def rng_state() -> dict[str, Tensor]:
@@ -101,7 +98,7 @@ def save_checkpoint(store: ArtifactStore, key: str, model: nn.Module, optimizer:
     attempt at this step left (a part, or a directory nothing links to: the attempt died before rank 0's
     directory landed) is discarded first; a failed write fails every rank."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    own_key = key if rank == 0 else part_key(key, rank)
+    own_key = key if rank == 0 else store_keys.part_key(key, rank)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "checkpoint"
 
@@ -144,16 +141,25 @@ def load_checkpoint(store: ArtifactStore, checkpoint: ArtifactRef, role: str, mo
     ``ema`` loads the checkpoint's EMA; a checkpoint saved without one (the run turned `[student]
     ema_decay` on later) restarts it at the loaded weights."""
     with tempfile.TemporaryDirectory() as tmp:
-        folder = store.get_dir(checkpoint, Path(tmp) / "checkpoint")
+        names = store.list_dir(checkpoint)
+        small = [name for name in names if not name.endswith(DATA_SUFFIX)]
+        folder = store.get_dir(checkpoint, Path(tmp) / "checkpoint", paths=small)
         info = read_info(folder)
         if info["role"] != role:
             raise ValueError(f"{checkpoint.uri} is a {info['role']!r} checkpoint; load it into the "
                              f"{info['role']} group, not the {role} group")
-        for saver, part in info["parts"].items():  # DCP reads every rank's shards from one folder
-            for path in store.get_dir(ArtifactRef.from_dict(part), Path(tmp) / f"rank-{saver}").iterdir():
-                path.rename(folder / path.name)
+        holders = {name: checkpoint for name in names if name.endswith(DATA_SUFFIX)}
+        for part in (ArtifactRef.from_dict(part) for part in info["parts"].values()):
+            holders.update({name: part for name in store.list_dir(part)})
+
+        def fetch(name: str) -> None:  # a data file this rank's load plan names, verified, into `folder`
+            if name not in holders:
+                raise FileNotFoundError(f"the checkpoint {checkpoint.uri} lacks {name}, which its metadata names")
+            fetched = store.get_dir(holders[name], Path(tmp) / f"fetched-{name}", paths=[name])
+            (fetched / name).rename(folder / name)
+
         saved_ema = ema is not None and info.get("ema", False)
-        load_sharded(folder, model, optimizer, ema.state_dict() if saved_ema else None)
+        load_sharded(folder, model, optimizer, ema.state_dict() if saved_ema else None, fetch)
         if ema is not None and not saved_ema:
             ema.reset()
         read_rank_files(folder, scheduler, len(optimizer.param_groups), rank)

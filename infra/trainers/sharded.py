@@ -1,17 +1,21 @@
 """Sharded checkpoints of a model and its optimizer with torch.distributed.checkpoint (DCP), pickle-free.
 
 Every rank writes only its own shards into its own local folder; to load, every rank is given one
-local folder holding the union of all ranks' files. DCP reshards on load, so a checkpoint written
-at one world size or layout (FSDP2 `fully_shard`, DDP, a plain module) loads at another: state is
-keyed by parameter name (FQN), not by rank or position.
+local folder with rank 0's metadata and a way to `fetch` each data file into it as its load plan needs
+it (`infra.trainers.checkpoint` fetches from the store), so a rank reads only the files that hold what it
+loads. DCP reshards on load, so a checkpoint written at one world size or layout (FSDP2 `fully_shard`, DDP,
+a plain module) loads at another: state is keyed by parameter name (FQN), not by rank or position.
 
 One checkpoint, the union of the ranks' folders:
 
     __<r>_0.distcp      rank r's tensor shards (every rank), a safetensors file despite DCP's suffix.
                         Keys are DCP's flattened FQNs, `model.<param>` and `optim.state.<param>.<name>`
                         (AdamW: step, exp_avg, exp_avg_sq), and `ema.<param>` for a model with an EMA
-                        (`dmd2.ema`); a tensor DDP replicates is written once. A model with frozen
-                        parameters (LoRA, `dmd2.lora`) stores only those that train.
+                        (`dmd2.ema`). A model with frozen parameters (LoRA, `dmd2.lora`) stores only
+                        those that train.
+    __0_1.distcp        (rank 0, when it also holds shards) the tensors every rank holds whole (FSDP2's
+                        AdamW steps, buffers), written once, by rank 0: a rank loads them without reading
+                        rank 0's shards. Under DDP every tensor is whole: rank 0 writes them all.
     dcp_metadata.json   (rank 0) DCP's `Metadata` as JSON: each tensor's global size, dtype, chunks and
                         the file holding each chunk.
     param_groups.json   (rank 0) the optimizer's param_groups (lr, betas, ...), params named by FQN.
@@ -23,10 +27,11 @@ files are safetensors read with `safe_open`, so loading never unpickles anything
 
 import hashlib
 import json
+import queue
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,16 +39,17 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, SerializationFormat, _StorageInfo
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, SerializationFormat, _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      get_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 METADATA_NAME = "dcp_metadata.json"
+DATA_SUFFIX = DEFAULT_SUFFIX  # DCP's name for its data files (here safetensors)
 PARAM_GROUPS_NAME = "param_groups.json"
 
 
@@ -103,6 +109,17 @@ class JsonMetadataWriter(dcp.FileSystemWriter):
     def __init__(self, path: Path) -> None:
         super().__init__(path, serialization_format=SerializationFormat.SAFETENSORS, overwrite=False)
 
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        # FileSystemWriter.write_data's one file per rank, but a rank holding shards and whole tensors
+        # (FSDP2's rank 0) writes the whole ones apart: every rank loads those, only rank 0 its shards.
+        shards = [item for item in plan.items if item.type == WriteItemType.SHARD]
+        whole = [item for item in plan.items if item.type != WriteItemType.SHARD]
+        files: queue.Queue = queue.Queue()
+        for index, items in enumerate([shards, whole] if shards and whole else [plan.items]):
+            name = f"{plan.storage_data.prefix}{index}{DEFAULT_SUFFIX}"
+            files.put((self.fs.concat_path(self.path, name), name, items))
+        return self._write_data(planner, files)
+
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
         # FileSystemWriter.finish's bookkeeping, with JSON where it pickles.
         metadata.version = CURRENT_DCP_VERSION
@@ -120,7 +137,12 @@ class JsonMetadataWriter(dcp.FileSystemWriter):
 
 
 class JsonMetadataReader(dcp.FileSystemReader):
-    """Reads what `JsonMetadataWriter` wrote: JSON metadata, safetensors data."""
+    """Reads what `JsonMetadataWriter` wrote: JSON metadata, safetensors data. `fetch(name)`, if given,
+    brings the data file `name` into the folder when the load plan first needs it."""
+
+    def __init__(self, path: Path, fetch: Callable[[str], None] | None = None) -> None:
+        super().__init__(path)
+        self._fetch = fetch
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = decode_metadata(json.loads((Path(self.path) / METADATA_NAME).read_text()))
@@ -135,6 +157,8 @@ class JsonMetadataReader(dcp.FileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in per_file.items():
+            if not (Path(self.path) / name).is_file() and self._fetch is not None:
+                self._fetch(name)
             if not (Path(self.path) / name).is_file():
                 raise FileNotFoundError(f"{self.path} lacks {name}: a load needs every saving rank's files")
             with safe_open(str(Path(self.path) / name), framework="pt") as file:
@@ -224,15 +248,17 @@ def save_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
         groups_text = json.dumps(groups, sort_keys=True)
     except TypeError as error:  # e.g. a tensor lr
         raise TypeError(f"optimizer param_groups must be JSON values: {error}") from error
-    with _dcp_call():
-        dcp.save(state, storage_writer=JsonMetadataWriter(folder), no_dist=_one_process())
+    with _dcp_call():  # rank 0 writes the tensors every rank holds whole (see JsonMetadataWriter.write_data)
+        dcp.save(state, storage_writer=JsonMetadataWriter(folder), no_dist=_one_process(),
+                 planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     if not dist.is_initialized() or dist.get_rank() == 0:
         (folder / PARAM_GROUPS_NAME).write_text(groups_text)
 
 
 def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 ema: dict[str, Tensor] | None = None) -> None:
-    """Load a checkpoint from `folder` (the union of every saving rank's files) in place.
+                 ema: dict[str, Tensor] | None = None, fetch: Callable[[str], None] | None = None) -> None:
+    """Load a checkpoint from `folder` in place: it holds rank 0's JSON files and every data file, or
+    `fetch(name)` brings a data file (`__<r>_<i>.distcp`) into it when this rank's load needs it.
 
     Collective: every rank calls it, each with such a folder. The world size and layout may differ
     from the save's; the parameter names and the optimizer's param_groups must match. `ema` (saved
@@ -243,7 +269,7 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: torch.optim.Optimize
     if [g["params"] for g in saved_groups] != [g["params"] for g in groups]:
         raise ValueError(f"{folder}: the optimizer's param_groups hold other parameters than the saved ones")
     with _dcp_call():
-        dcp.load(state, storage_reader=JsonMetadataReader(folder), no_dist=_one_process())
+        dcp.load(state, storage_reader=JsonMetadataReader(folder, fetch), no_dist=_one_process())
     # JSON turned tuples (AdamW's betas) into lists; give each value back the type the optimizer uses.
     saved_groups = [{k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in saved.items()}
                     for saved, now in zip(saved_groups, groups)]

@@ -242,8 +242,12 @@ def fsdp2_saved(ranks, tmp_path_factory) -> tuple[Path, tuple[dict, list]]:
 @needs_ranks
 def test_each_rank_writes_only_its_own_shards(fsdp2_saved):
     root, _ = fsdp2_saved
-    assert sorted(p.name for p in (root / "rank-0").iterdir()) == ["__0_0.distcp", METADATA_NAME, PARAM_GROUPS_NAME]
+    assert sorted(p.name for p in (root / "rank-0").iterdir()) == ["__0_0.distcp", "__0_1.distcp", METADATA_NAME,
+                                                                    PARAM_GROUPS_NAME]
     assert sorted(p.name for p in (root / "rank-1").iterdir()) == ["__1_0.distcp"]
+    with safe_open(str(root / "rank-0" / "__0_1.distcp"), framework="pt") as file:  # what every rank holds whole
+        assert sorted(file.keys()) == ["model.scale"] + [f"optim.state.blocks.{b}.{p}.step" for b in range(3)
+                                                         for p in ("bias", "weight")]
     shapes = []
     for rank in range(2):  # the data files are safetensors: FSDP2 splits a 7-row weight 4 + 3
         with safe_open(str(root / f"rank-{rank}" / f"__{rank}_0.distcp"), framework="pt") as file:
