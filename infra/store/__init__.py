@@ -21,33 +21,14 @@ Layout: ``<root>/<run_id>/rollout-<n>/<task>/rank-<r>.safetensors`` and ``<root>
 """
 
 from infra.store.artifacts import ArtifactStore
-from infra.store.faults import (
-    ArtifactExistsError,
-    IntegrityError,
-    StoreAccessError,
-    StoreError,
-    StoreNotFoundError,
-    StoreUnavailableError,
-    StoreWriteError,
-)
+from infra.store.faults import (ArtifactExistsError, IntegrityError, StoreAccessError, StoreError, StoreNotFoundError,
+                                StoreUnavailableError, StoreWriteError)
 from infra.store.keys import validate_key, validate_name
 from infra.store.lease import LeaseHeldError, LeaseLostError, RunLease
 from infra.store.refs import ArtifactRef, Checkpoint
 
 __all__ = [
-    "ArtifactExistsError",
-    "ArtifactRef",
-    "ArtifactStore",
-    "Checkpoint",
-    "IntegrityError",
-    "LeaseHeldError",
-    "LeaseLostError",
-    "RunLease",
-    "StoreAccessError",
-    "StoreError",
-    "StoreNotFoundError",
-    "StoreUnavailableError",
-    "StoreWriteError",
-    "validate_key",
-    "validate_name",
+    "ArtifactExistsError", "ArtifactRef", "ArtifactStore", "Checkpoint", "IntegrityError", "LeaseHeldError",
+    "LeaseLostError", "RunLease", "StoreAccessError", "StoreError", "StoreNotFoundError", "StoreUnavailableError",
+    "StoreWriteError", "validate_key", "validate_name",
 ]

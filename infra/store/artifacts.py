@@ -32,12 +32,9 @@ STALE_STAGING_S = 3600.0
 
 
 def open_backend(root_uri: str, retry_mode: str, max_attempts: int) -> LocalBackend | S3Backend:
-    """The backend for ``root_uri``: a folder (``file://...`` or a bare path) or ``s3://...``.
-
-    ``ValueError`` for other schemes and for URIs that embed credentials (``s3://key:secret@bucket``,
-    ``file://user@host/...``): refused, not stripped, since credentials belong in the standard AWS settings
-    and a stripped URI would quietly use whatever those hold; such a URI is never echoed back.
-    """
+    """The backend for ``root_uri``: a folder (``file://...`` or a bare path) or ``s3://...``. ``ValueError``
+    for other schemes and for URIs that embed credentials (``s3://key:secret@bucket``): refused, not stripped
+    (a stripped URI would quietly use whatever the AWS settings hold), and never echoed back."""
     if not isinstance(root_uri, str) or not root_uri:
         raise ValueError("the store root must be a non-empty URI, e.g. file:///data/artifacts")
     scheme, separator, rest = root_uri.partition("://")
@@ -58,12 +55,11 @@ def open_backend(root_uri: str, retry_mode: str, max_attempts: int) -> LocalBack
 class ArtifactStore:
     """Put and get verified artifacts below ``root_uri`` (``file://``, a bare path, or ``s3://``).
 
-    On S3 every request is retried by botocore alone, in ``retry_mode`` (``standard``, or ``adaptive``,
-    which also slows down when S3 throttles), ``max_attempts`` attempts in all, waiting rand(0, 1) *
-    min(2**k, 20) s before the k-th retry: the default 8 ride out an endpoint down for a few seconds
-    (restarting, failing over) and give up on one that stays down after about 35 s (at most 70 s), with
-    ``StoreUnavailableError``. The store holds no credential: S3 settings come from the standard AWS
-    environment and config files. It pickles as its root URI and retry settings (Ray workers, Prefect tasks).
+    On S3 every request is retried by botocore alone, in ``retry_mode`` (``standard``; ``adaptive`` also slows
+    down when S3 throttles), ``max_attempts`` attempts in all, waiting rand(0, 1) * min(2**k, 20) s before
+    the k-th retry: the default 8 ride out an endpoint down for a few seconds and give up on one that stays
+    down after about 35 s (70 s at most), with ``StoreUnavailableError``. The store holds no credential (S3's
+    come from the standard AWS settings); it pickles as its root URI and retry settings.
     """
 
     rollout_key = staticmethod(store_keys.rollout_key)
@@ -108,10 +104,9 @@ class ArtifactStore:
     # -- tensors and JSON ----------------------------------------------------------------------
 
     def put_tensors(self, key: str, tensors: Mapping[str, torch.Tensor], durable: bool = True) -> ArtifactRef:
-        """Store a dict of tensors as one safetensors object at ``key`` (``safetensors.torch.save``);
-        overwrites atomically. Any dtype safetensors writes; tensors must be contiguous and must not share
-        memory (its rules). ``durable=False`` is for objects made again after a machine crash (a rollout's
-        payloads): still atomic, but file:// does not wait for the disk (fsync)."""
+        """Store a dict of tensors as one safetensors object at ``key`` (``safetensors.torch.save``, its rules:
+        contiguous, no shared memory); overwrites atomically. ``durable=False``, for objects made again after a
+        machine crash (a rollout's payloads): still atomic, but file:// does not wait for the disk (fsync)."""
         validate_key(key)
         return self._put(key, _safetensors_bytes(key, tensors), "tensors", durable)
 
@@ -135,8 +130,8 @@ class ArtifactStore:
         return json.loads(self._get(ref, "json").decode("utf-8"))
 
     def find_json(self, key: str) -> Any | None:
-        """The JSON value at ``key``, or None when nothing is there (no digest to check it against: for
-        small records whose key is their identity, such as the scheduled series' runs)."""
+        """The JSON value at ``key``, or None when nothing is there; unverified (no ref), for small records
+        whose key is their identity, such as the scheduled series' runs."""
         validate_key(key)
         with self._faults(key):
             data = absent_is_none(lambda: self._backend.read_bytes(key))
@@ -158,9 +153,8 @@ class ArtifactStore:
     # -- small mutable objects: conditional writes ----------------------------------------------
 
     def create_if_absent(self, key: str, data: bytes) -> str | None:
-        """Store ``data`` at ``key`` only if no object is there, atomically: of many concurrent creators
-        exactly one gets the object's version (an opaque str), the others None. For small control objects
-        that change by compare-and-swap (``infra.store.lease``), not for artifacts."""
+        """Store ``data`` at ``key`` only if no object is there: of many concurrent creators exactly one gets
+        the object's version (an opaque str), the others None. For small control objects (the lease)."""
         with self._faults(key, writing=True):
             return self._backend.create_if_absent(validate_key(key), bytes(data))
 
@@ -184,14 +178,11 @@ class ArtifactStore:
 
     def put_dir(self, key: str, local_dir: str | os.PathLike,
                 on_file: Callable[[str, int], None] | None = None) -> ArtifactRef:
-        """Store every file below ``local_dir`` at ``key``, with a manifest (each file's sha256) written last.
-
-        The directory becomes visible (to ``get_dir``, ``list_checkpoints``, ``latest_checkpoint``) only
-        when the manifest lands; if anything fails, what was written is removed. ``on_file(rel_path,
-        nbytes)`` is called after each file (progress). A complete directory already at ``key`` is never
+        """Store every file below ``local_dir`` at ``key``, with a manifest (each file's sha256) written last:
+        the directory is visible only once it lands; if anything fails, what was written is removed.
+        ``on_file(rel_path, nbytes)`` follows each file (progress). A complete directory at ``key`` is never
         replaced: identical contents return its ref (a retried task succeeds), others raise
-        ``ArtifactExistsError``.
-        """
+        ``ArtifactExistsError``."""
         validate_key(key)
         files = list_local_files(Path(local_dir))
         existing = self.find_dir(key)
@@ -217,9 +208,9 @@ class ArtifactStore:
 
     def get_dir(self, ref: ArtifactRef, local_dir: str | os.PathLike, paths: Iterable[str] | None = None) -> Path:
         """Download the directory of ``ref`` (or only its files ``paths``) into ``local_dir`` (absent or
-        empty); return its path. The manifest is checked against ``ref.sha256`` and every file against the
-        manifest (``IntegrityError`` naming the file's URI). Files land in a hidden staging folder renamed to
-        ``local_dir`` only once all are verified, so a failure leaves no partial copy."""
+        empty); return its path. Its manifest is checked against ``ref.sha256``, every file against the
+        manifest (``IntegrityError`` naming the file), all in a hidden staging folder renamed to
+        ``local_dir`` once all are verified: a failure leaves no partial copy."""
         key = self._key_of(ref, "dir")
         entries = self._read_manifest(key, ref.sha256)
         if paths is not None:
@@ -325,11 +316,10 @@ class ArtifactStore:
                           on_damaged: Callable[[int, Exception, str], None] | None = None) -> int:
         """Load the run's newest sound checkpoint with ``load(ref)``; return its step (0: there is none).
 
-        One that fails its checksum or misses a file (``IntegrityError``, ``FileNotFoundError``) is read once
-        more (a torn read is not damage), then quarantined (``quarantine_checkpoint``), reported with
-        ``on_damaged(step, error, quarantine URI)`` (default: a warning), and the one before is tried. Any
-        other error, such as the store staying down through all its attempts, propagates and leaves the
-        checkpoint where it is: a fault of the moment never condemns one.
+        One that fails its checksum or misses a file is read once more (a torn read is not damage), then
+        quarantined, reported with ``on_damaged(step, error, quarantine URI)`` (default: a warning), and the
+        one before is tried. Any other error (the store down through all its attempts) propagates and leaves
+        the checkpoint where it is: a fault of the moment never condemns one.
         """
         while (latest := self.latest_checkpoint(run_id)) is not None:
             for _ in range(2):
@@ -346,11 +336,9 @@ class ArtifactStore:
         return 0
 
     def quarantine_checkpoint(self, run_id: str, step: int) -> str:
-        """Move the checkpoint of ``step`` aside, every group's directory and every rank's part
-        (``<step>``, ``<step>-rank-<r>`` in each of the run's checkpoint folders), to
-        ``<run_id>/quarantine/<step>-<UTC time>/<folder>/<name>``: kept for a look and never deleted, but no
-        longer a checkpoint. Rank 0's directory moves first, so it stops being one at once. Returns the
-        quarantine's URI."""
+        """Move the checkpoint of ``step`` (every group's ``<step>`` and ``<step>-rank-<r>`` folders, rank 0's
+        actor directory first) to ``<run_id>/quarantine/<step>-<UTC time>/<folder>/<name>``: kept and never
+        deleted, but no longer a checkpoint. Returns the quarantine's URI."""
         run_id = validate_name(run_id, "run id")
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         target = f"{store_keys.quarantine_prefix(run_id)}/{int(step)}-{stamp}"
@@ -358,7 +346,7 @@ class ArtifactStore:
             for folder in self._backend.list_dirs(run_id):
                 if folder == CHECKPOINTS_DIR or folder.startswith(f"{CHECKPOINTS_DIR}_"):
                     for name in self._backend.list_dirs(f"{run_id}/{folder}"):
-                        if store_keys.parse_step_part(name) == step:
+                        if store_keys.parse_step_dir(name, parts=True) == step:
                             self._backend.move_tree(f"{run_id}/{folder}/{name}", f"{target}/{folder}/{name}")
         return self._backend.uri_of(target)
 
@@ -367,9 +355,8 @@ class ArtifactStore:
         return self._numbered_dirs(validate_name(run_id, "run id"), store_keys.parse_rollout_dir)
 
     def prune(self, run_id: str, keep_last: int) -> list[int]:
-        """Delete the run's rollout folders except the ``keep_last`` newest; return the deleted rollout
-        numbers. Checkpoints, quarantined ones and anything else under the run are never touched, except
-        what killed writers left (hidden staging unchanged for ``STALE_STAGING_S``, on ``file://``)."""
+        """Delete the run's rollout folders but the ``keep_last`` newest; return their numbers. Nothing else
+        under the run is touched, but what killed writers left (file:// staging unchanged for an hour)."""
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
             raise ValueError(f"keep_last must be an int >= 0, got {keep_last!r}")
         rollouts = self.list_rollouts(run_id)

@@ -68,11 +68,8 @@ class StoreAccessError(StoreError, PermissionError):
 
 
 class StoreNotFoundError(StoreError):
-    """The store's bucket does not exist (or is invisible to these credentials).
-
-    Deliberately not a FileNotFoundError: code that treats a missing object as "not written yet" must not
-    mistake a missing bucket for it.
-    """
+    """The store's bucket does not exist (or is invisible to these credentials). Not a FileNotFoundError:
+    code that takes a missing object for "not written yet" must not mistake a missing bucket for it."""
 
 
 class StoreUnavailableError(StoreError, ConnectionError):
@@ -111,10 +108,8 @@ def describe(exc: BaseException) -> str:
 
 
 def s3_error(exc: BaseException, uri: str, bucket: str, endpoint: str, attempts: int) -> StoreError | None:
-    """The store error for what an S3 call still raised after its last attempt, or None to re-raise it.
-
-    The service's own message stays in the exception chain: S3 echoes no secret (it never receives one).
-    """
+    """The store error for what an S3 call still raised after its last attempt, or None to re-raise it. The
+    service's own message stays in the exception chain: S3 echoes no secret (it never receives one)."""
     coded, chain = client_error_code(exc), list(_chain(exc))
     code, status = coded or ("", 0)
     if (code in _CREDENTIAL_CODES or status == 403 or code == "403"

@@ -31,8 +31,7 @@ LEASE_NAME = "lease.json"
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 _ROLLOUT_DIR_RE = re.compile(r"rollout-(0|[1-9][0-9]*)")
-_STEP_DIR_RE = re.compile(r"0|[1-9][0-9]*")
-_STEP_PART_RE = re.compile(r"(0|[1-9][0-9]*)(-rank-[0-9]+)?")
+_STEP_DIR_RE = re.compile(r"(0|[1-9][0-9]*)(-rank-[0-9]+)?")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
@@ -43,25 +42,17 @@ def shown(value: object) -> str:
 
 
 def validate_name(name: object, what: str = "name") -> str:
-    """Return ``name`` if it is one safe path part, else raise ``ValueError`` saying why.
-
-    Safe means: a non-empty str of at most 255 characters from ``[A-Za-z0-9._-]`` that does not
-    start with ``.`` or ``-`` (so never ``.``, ``..``, a hidden name or an option-like name).
-    """
+    """Return ``name`` if it is one safe path part (1-255 characters of ``[A-Za-z0-9._-]``, not starting
+    with ``.`` or ``-``: never ``..``, a hidden or an option-like name), else raise ``ValueError`` saying why."""
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise ValueError(
-            f"invalid {what} {shown(name)}: use 1-255 characters from [A-Za-z0-9._-], not "
-            "starting with '.' or '-' (no '/', '..', absolute paths or URI schemes)"
-        )
+        raise ValueError(f"invalid {what} {shown(name)}: use 1-255 characters from [A-Za-z0-9._-], not starting "
+                         "with '.' or '-' (no '/', '..', absolute paths or URI schemes)")
     return name
 
 
 def validate_key(key: object) -> str:
-    """Return ``key`` if every '/'-separated part passes ``validate_name``, else ``ValueError``.
-
-    Empty parts (``a//b``, a leading or trailing ``/``) are refused, which also refuses absolute
-    paths.
-    """
+    """Return ``key`` if every '/'-separated part passes ``validate_name``, else ``ValueError`` (so empty
+    parts, ``a//b`` or a leading or trailing ``/``, and absolute paths are refused)."""
     if not isinstance(key, str) or not key:
         raise ValueError(f"invalid key {shown(key)}: expected a non-empty relative path")
     for part in key.split("/"):
@@ -83,14 +74,10 @@ def rollout_prefix(run_id: str, rollout: int) -> str:
 
 
 def rollout_key(run_id: str, rollout: int, task: str, rank: int) -> str:
-    """Key of one rank's tensors for one task of one rollout.
-
-    ``<run_id>/rollout-<rollout>/<task>/rank-<rank>.safetensors``; raises ``ValueError`` on an
-    unsafe run id or task name, or a negative / non-int rollout or rank.
-    """
+    """Key of one rank's tensors for one task of one rollout: ``<run_id>/rollout-<rollout>/<task>/rank-<rank>
+    .safetensors`` (``ValueError`` on an unsafe run id or task name, a negative or non-int rollout or rank)."""
     validate_name(task, "task name")
-    rank = _validate_index(rank, "rank")
-    return f"{rollout_prefix(run_id, rollout)}/{task}/rank-{rank}.safetensors"
+    return f"{rollout_prefix(run_id, rollout)}/{task}/rank-{_validate_index(rank, 'rank')}.safetensors"
 
 
 def checkpoints_prefix(run_id: str) -> str:
@@ -124,15 +111,11 @@ def parse_rollout_dir(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def parse_step_dir(name: str) -> int | None:
-    """The step of a checkpoint folder named ``<step>``, or None (staging folders, strays)."""
-    return int(name) if _STEP_DIR_RE.fullmatch(name) else None
-
-
-def parse_step_part(name: str) -> int | None:
-    """The step of a checkpoint folder or of a rank's part of it (``<step>``, ``<step>-rank-<r>``), or None."""
-    match = _STEP_PART_RE.fullmatch(name)
-    return int(match.group(1)) if match else None
+def parse_step_dir(name: str, parts: bool = False) -> int | None:
+    """The step of a checkpoint folder named ``<step>`` (and, with ``parts``, of a rank's part of it,
+    ``<step>-rank-<r>``), or None (staging folders, strays)."""
+    match = _STEP_DIR_RE.fullmatch(name)
+    return int(match.group(1)) if match and (parts or not match.group(2)) else None
 
 
 def is_sha256(value: object) -> bool:
@@ -151,20 +134,15 @@ class ManifestEntry:
 
 def encode_manifest(entries: list[ManifestEntry]) -> bytes:
     """Serialise entries deterministically (sorted by path), so equal trees give equal bytes."""
-    files = [
-        {"path": e.path, "nbytes": e.nbytes, "sha256": e.sha256}
-        for e in sorted(entries, key=lambda e: e.path)
-    ]
+    files = [{"path": e.path, "nbytes": e.nbytes, "sha256": e.sha256} for e in sorted(entries, key=lambda e: e.path)]
     document = {"format": MANIFEST_FORMAT, "files": files}
     return json.dumps(document, sort_keys=True, indent=1).encode("utf-8")
 
 
 def decode_manifest(data: bytes, uri: str) -> list[ManifestEntry]:
-    """Parse and check a manifest; raise ``ValueError`` naming ``uri`` if it is malformed.
-
-    Every path is re-validated as a key: a manifest decides where get_dir writes, so a hostile
-    one must not be able to point outside the destination folder.
-    """
+    """Parse and check a manifest (format v2 or v1); raise ``ValueError`` naming ``uri`` if it is malformed.
+    Every path is validated as a key: a manifest decides where get_dir writes, so a hostile one must not be
+    able to point outside the destination folder."""
     try:
         document = json.loads(data.decode("utf-8"))
         if document.get("format") not in MANIFEST_FORMATS:

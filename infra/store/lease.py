@@ -1,27 +1,20 @@
 """One run per run id: a lease on the run id, held in the artifact store.
 
-Two ``dmd2 distill --run-id X`` started at once would otherwise both train and both write X's
-checkpoints. The lease is one small JSON object, ``<run_id>/lease.json`` (``keys.lease_key``; a
-file, so it is never taken for a rollout or checkpoint folder and ``prune`` never deletes it)::
+Two ``dmd2 distill --run-id X`` started at once would otherwise both train and both write X's checkpoints.
+The lease is one small JSON object, ``<run_id>/lease.json`` (a file: never taken for a rollout or checkpoint
+folder, never pruned): its format, holder, token, host and pid, and renewal and expiry times. It changes
+only through the store's conditional writes, so every step is a compare-and-swap on the version just read:
 
-    {"format": "dmd2-flows/lease-v1", "holder": "<who>", "token": "<uuid4 hex>",
-     "renewed_at": <unix s>, "expires_at": <unix s>}
-
-It changes only through the store's conditional writes (``ArtifactStore.create_if_absent``,
-``replace_if``, ``delete_if``), so every step is a compare-and-swap on the version just read:
-
-- **acquire**: create it if absent; else, if it has expired, replace *the version read* (of two
-  takers of one stale lease exactly one wins); else raise ``LeaseHeldError`` at once;
-- **renew**: replace our own version with a later expiry; if anyone else's lease is there now
-  (ours expired, e.g. the process was stopped for longer than the ttl, and was taken over),
-  ``LeaseLostError``. A background thread renews every ``ttl_s / 3`` and records a loss, which
-  ``check()`` raises in the caller's thread: the distill flow calls it between rollouts;
+- **acquire**: create it if absent; else, if it has expired, replace *the version read* (of two takers of
+  one stale lease exactly one wins); else raise ``LeaseHeldError`` at once;
+- **renew**: replace our own version with a later expiry; if anyone else's lease is there now (ours
+  expired and was taken over), ``LeaseLostError``. A background thread renews every ``ttl_s / 3`` and
+  records a loss, which ``check()`` raises in the caller's thread (the distill flow, between rollouts);
 - **release**: delete it only if it still holds our token.
 
-Clocks: expiry is judged by the acquirer's ``time.time()`` against the ``expires_at`` the holder
-wrote with its own clock, so hosts' clocks must agree to well within the ttl (a taker whose clock
-runs s seconds ahead sees a lease expire s seconds early). NTP keeps skew to milliseconds; the
-default ttl is 60 s, renewed every 20 s.
+Clocks: expiry is judged by the acquirer's clock against the ``expires_at`` the holder wrote with its own,
+so hosts' clocks must agree to well within the ttl (NTP keeps skew to milliseconds; the default ttl is
+60 s, renewed every 20 s).
 """
 
 from __future__ import annotations
@@ -121,18 +114,15 @@ class LeaseRecord:
             if document.pop("format", None) != LEASE_FORMAT:
                 raise ValueError("unknown format")
             record = cls(**document)  # TypeError for missing or extra fields
-            if not (isinstance(record.holder, str) and isinstance(record.token, str) and isinstance(record.host, str)):
+            if not all(isinstance(text, str) for text in (record.holder, record.token, record.host)):
                 raise ValueError("holder, token and host must be strings")
-            if isinstance(record.pid, bool) or not isinstance(record.pid, int):
-                raise ValueError("pid must be an integer")
-            times = (record.renewed_at, record.expires_at)
-            if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in times):
-                raise ValueError("renewed_at and expires_at must be numbers")
+            if any(isinstance(n, bool) for n in (record.pid, record.renewed_at, record.expires_at)) or not (
+                    isinstance(record.pid, int) and all(isinstance(t, (int, float)) for t in
+                                                        (record.renewed_at, record.expires_at))):
+                raise ValueError("pid must be an integer, renewed_at and expires_at numbers")
         except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as exc:
-            raise StoreError(
-                f"{uri} is not a lease this store wrote ({exc}); if no run uses this run id, "
-                "delete it"
-            ) from exc
+            raise StoreError(f"{uri} is not a lease this store wrote ({exc}); if no run uses this run id, "
+                             "delete it") from exc
         return record
 
 
