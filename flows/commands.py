@@ -114,11 +114,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     import torch
 
     family = family_class(name)()
-    config = family.resolve(config, args.cache_dir)
-    try:
+    try:  # before the teacher is resolved: a bad --student is refused in seconds, not after a pretraining
         student = family.load_model(str(args.student)).eval()
     except (OSError, ValueError) as error:  # not a model directory of this family (or pickled weights only)
         raise ConfigError(f"--student {args.student} does not load as a {name} model: {error}") from None
+    config = family.resolve(config, args.cache_dir)
     with torch.no_grad():
         evaluation = family.evaluator(config, args.cache_dir).evaluate(family.velocity(student))
     for key, value in evaluation.scores.items():
