@@ -8,8 +8,9 @@ this module never reads, keeps or prints a credential.
 
 Retries are botocore's alone: its ``standard`` or ``adaptive`` mode with the store's ``max_attempts``;
 s3fs's own retry loop is set to one try, so that the two never multiply. botocore's default flexible
-checksums stay on: uploads carry a CRC the service verifies and downloads are checked against it, which
-guards the transport; the sha256 of every read guards the bytes at rest.
+checksums stay on (they guard the transport): every upload and part carries a CRC that S3 verifies, and a
+whole-object download is checked against the CRC S3 returns with it; the sha256 of every read guards the
+bytes at rest.
 
 Conditional writes (the run lease) are S3's own: PutObject with ``If-None-Match: *`` creates only if
 absent, PutObject and DeleteObject with ``If-Match: <etag>`` only touch the version that was read. They go
