@@ -204,7 +204,7 @@ class ArtifactStore:
             except BaseException:
                 backend.discard_staging(staging)
                 raise
-        return ArtifactRef(self._backend.uri_of(key), sha256_hex(manifest), _total(entries), "dir")
+        return ArtifactRef(self._backend.uri_of(key), sha256_hex(manifest), sum(e.nbytes for e in entries), "dir")
 
     def get_dir(self, ref: ArtifactRef, local_dir: str | os.PathLike, paths: Iterable[str] | None = None) -> Path:
         """Download the directory of ``ref`` (or only its files ``paths``) into ``local_dir`` (absent or
@@ -265,7 +265,7 @@ class ArtifactStore:
         except ValueError as exc:
             logger.warning("ignoring %s", exc)
             return None
-        return ArtifactRef(self._backend.uri_of(key), sha256_hex(data), _total(entries), "dir")
+        return ArtifactRef(self._backend.uri_of(key), sha256_hex(data), sum(e.nbytes for e in entries), "dir")
 
     def discard_dir(self, key: str) -> None:
         """Delete the directory at ``key`` (complete or not): its manifest first, so that readers stop seeing
@@ -397,7 +397,3 @@ def _safetensors_bytes(key: str, tensors: Mapping[str, torch.Tensor]) -> bytes:
         if "share memory" not in str(exc):
             raise
         raise ValueError(f"{key}: {' '.join(str(exc).split())} Store a .clone() of one.") from exc
-
-
-def _total(entries: list[ManifestEntry]) -> int:
-    return sum(entry.nbytes for entry in entries)
