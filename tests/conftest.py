@@ -1,6 +1,6 @@
 """Fixtures shared by the end-to-end tests (tests/flows, tests/reliability): an in-process Prefect
-server, moto's S3 server, a tiny teacher. Ray is started by the flow itself (ensure_ray) with the S3
-settings already in the environment, so its workers inherit them."""
+server, moto's S3 server, a tiny teacher, one local Ray for the session (`shared_ray`), started after moto's settings are in the environment so
+that its workers inherit them."""
 
 from pathlib import Path
 
@@ -13,6 +13,9 @@ import pytest  # noqa: E402
 import ray  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
+from flows.distill import distill  # noqa: E402
+from infra.trainers.cluster import ensure_ray  # noqa: E402
+from tests.flows.conftest import TINY_EVAL_INTERVAL, TINY_ROLLOUTS, write_recipe  # noqa: E402
 from tests.infra.conftest import BUCKET, REGION, MotoServer, aws_test_settings  # noqa: E402
 from tests.infra.trainers.ray_fixtures import tiny_teacher  # noqa: E402, F401  (a fixture)
 
@@ -46,13 +49,30 @@ def tiny_teacher_dir(tiny_teacher) -> Path:
     return Path(tiny_teacher)
 
 
-@pytest.fixture(scope="module")
-def fresh_ray():
-    """The flow starts Ray itself; shut down any Ray another module left, and this one afterwards."""
+@pytest.fixture(scope="session")
+def _ray_for_the_session():
+    yield
     if ray.is_initialized():
         ray.shutdown()
-    yield
-    ray.shutdown()
+
+
+def start_shared_ray() -> None:
+    """The session's local Ray, unless one is up: started as the flows start theirs (`ensure_ray`, token
+    authentication) so that `distill` joins it. 12 logical CPUs: scheduling tokens, not cores (a rank sizes
+    its threads by the machine), enough for the groups a module keeps up side by side (tests/infra/trainers/
+    test_group.py: world size 1, 2 and 2 again, colocated: 2 + 4 + 4)."""
+    if not ray.is_initialized():
+        with pytest.MonkeyPatch.context() as env:
+            env.delenv("RAY_ADDRESS", raising=False)
+            ensure_ray(num_cpus=12)
+
+
+@pytest.fixture(scope="module")
+def shared_ray(_ray_for_the_session, s3_server):
+    """One local Ray for the session (each start costs ~10 s), started after moto's settings are in the
+    environment, so that its workers inherit them. A module that needs a cluster of its own (a pretend GPU, two
+    nodes) shuts it down; the next module to ask starts it again."""
+    start_shared_ray()
 
 
 @pytest.fixture(scope="session")
@@ -60,3 +80,18 @@ def shared_cache(tmp_path_factory) -> Path:
     """One families' cache for the session's runs: the digits evaluator is trained once, not once per run
     (a run's result does not depend on who trained it: it is seeded, and keyed by its data)."""
     return tmp_path_factory.mktemp("dmd2-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(prefect_server, s3_store, tiny_teacher_dir, _ray_for_the_session, shared_cache, tmp_path_factory):
+    """The tiny recipe's run with nothing going wrong (run id "tiny", on S3): what the flow tests inspect, and
+    the student that every interrupted or faulty run of the same recipe must equal, bit for bit (seeds come
+    from the recipe, not the run id). Made once: a run costs a Ray group build and its evaluations.
+    Returns (the distill result, the recipe, the MLflow tracking URI)."""
+    start_shared_ray()
+    tmp = tmp_path_factory.mktemp("tiny-run")
+    recipe = write_recipe(tmp / "tiny.toml", tiny_teacher_dir, TINY_ROLLOUTS, eval_interval=TINY_EVAL_INTERVAL)
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    result = distill(recipe=str(recipe), run_id="tiny", store_uri=s3_store, tracking_uri=uri,
+                     cache_dir=str(shared_cache), output_dir=str(tmp / "out"))
+    return result, recipe, uri

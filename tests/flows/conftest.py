@@ -27,6 +27,11 @@ reference_steps = 4
 """
 
 
+# The shared uninterrupted run's (tests/conftest.py `tiny_run`): a run compared with it uses the same.
+TINY_ROLLOUTS = 4
+TINY_EVAL_INTERVAL = 2
+
+
 def write_recipe(path: Path, teacher: Path, rollouts: int, eval_interval: int = 0) -> Path:
     path.write_text(TINY_RECIPE.format(teacher=teacher, rollouts=rollouts, eval_interval=eval_interval))
     return path

@@ -14,23 +14,17 @@ from prefect.events.filters import EventFilter, EventNameFilter
 from dmd2.config import load_recipe
 from dmd2.families.digits.yardstick import DIGIT_CONDS
 from dmd2.loop import InProcessDistiller
-from flows.distill import distill
 from dmd2.model import load_pretrained as load_model
 from infra.store import ArtifactStore
-from tests.flows.conftest import write_recipe
+from tests.flows.conftest import TINY_EVAL_INTERVAL, TINY_ROLLOUTS
 
-ROLLOUTS = 3
+ROLLOUTS = TINY_ROLLOUTS
 TASKS = ["rollout", "sleep", "convert", "critic-train", "score", "sleep", "actor-train", "sleep"]
 
 
 @pytest.fixture(scope="module")
-def finished_run(prefect_server, s3_store, tiny_teacher_dir, fresh_ray, shared_cache, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("run")
-    recipe = write_recipe(tmp / "tiny.toml", tiny_teacher_dir, ROLLOUTS, eval_interval=2)
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    result = distill(recipe=str(recipe), run_id="tiny", store_uri=s3_store, tracking_uri=uri,
-                     cache_dir=str(shared_cache), output_dir=str(tmp / "out"))
-    return result, recipe, uri
+def finished_run(tiny_run):
+    return tiny_run
 
 
 async def _flow_runs():
@@ -94,12 +88,13 @@ def test_mlflow_has_every_metric_once_per_step_images_and_the_student(finished_r
                 "time/rollout", "time/critic-train", "time/actor-train"]:
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
         assert sorted(steps) == list(range(ROLLOUTS)), key
-    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/fd_teacher")) == [1, 2]
+    evaluated = [done - 1 for done in range(1, ROLLOUTS + 1) if done % TINY_EVAL_INTERVAL == 0 or done == ROLLOUTS]
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/fd_teacher")) == evaluated
     assert run.data.params["dmd2.critic_steps_per_rollout"] == "2"
     assert run.data.tags["dmd2.store"].startswith("s3://") and "prefect.flow_run_id" in run.data.tags
     assert run.data.tags["dmd2.student_weights"] == "raw"  # no [student] ema_decay: evaluated and exported raw
     images = [a.path for a in client.list_artifacts(run.info.run_id, "images") if a.path.endswith(".png")]
-    assert len(images) == 2
+    assert len(images) == len(evaluated)  # a sample grid per evaluation
     assert any(a.path == "student/config.json" for a in client.list_artifacts(run.info.run_id, "student"))
 
 
@@ -133,7 +128,7 @@ def test_the_distill_flow_run_has_a_lineage_artifact_and_the_student_a_registere
 
     [artifact] = asyncio.run(read())
     assert result["model_version"] == "tiny/1" and "champion" in result["promotion"]
-    for expected in (result["mlflow_run_id"], "tiny/1", result["student"]["uri"], "| DMD2 student (3 rollouts) |"):
+    for expected in (result["mlflow_run_id"], "tiny/1", result["student"]["uri"], f"| DMD2 student ({ROLLOUTS} rollouts) |"):
         assert expected in artifact.data, expected
     champion = MlflowClient(uri).get_model_version_by_alias("tiny", "champion")
     assert int(champion.version) == 1 and champion.tags["dmd2.mlflow_run_id"] == result["mlflow_run_id"]

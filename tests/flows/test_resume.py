@@ -14,9 +14,9 @@ from prefect.settings import PREFECT_API_URL
 from flows.distill import distill
 from dmd2.model import load_pretrained as load_model
 from infra.store import ArtifactStore
-from tests.flows.conftest import write_recipe
+from tests.flows.conftest import TINY_EVAL_INTERVAL, TINY_ROLLOUTS, write_recipe
 
-ROLLOUTS = 6
+ROLLOUTS = TINY_ROLLOUTS  # the shared uninterrupted run's recipe
 
 
 def _kill_after_checkpoint(command, env, log, store: ArtifactStore, run_id: str, step: int, timeout: float = 300):
@@ -39,9 +39,9 @@ def _kill_after_checkpoint(command, env, log, store: ArtifactStore, run_id: str,
             process.wait()
 
 
-def test_a_killed_run_resumes_to_the_uninterrupted_result(prefect_server, s3_store, tiny_teacher_dir, fresh_ray,
-                                                          shared_cache, tmp_path):
-    recipe = write_recipe(tmp_path / "tiny.toml", tiny_teacher_dir, ROLLOUTS)
+def test_a_killed_run_resumes_to_the_uninterrupted_result(prefect_server, s3_store, tiny_run, tiny_teacher_dir,
+                                                          shared_ray, shared_cache, tmp_path):
+    recipe = write_recipe(tmp_path / "tiny.toml", tiny_teacher_dir, ROLLOUTS, eval_interval=TINY_EVAL_INTERVAL)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     common = dict(recipe=str(recipe), store_uri=s3_store, tracking_uri=uri, cache_dir=str(shared_cache),
                   output_dir=str(tmp_path / "out"))
@@ -52,11 +52,11 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(prefect_server, s3_sto
                "--output-dir", str(tmp_path / "out")]
     env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value()}
     with open(tmp_path / "killed.log", "w") as log:
-        killed_at = _kill_after_checkpoint(command, env, log, store, "killed", step=2)
+        killed_at = _kill_after_checkpoint(command, env, log, store, "killed", step=1)
     assert killed_at < ROLLOUTS and not (tmp_path / "out" / "killed" / "student").exists()
 
     resumed = distill(run_id="killed", **common)
-    uninterrupted = distill(run_id="whole", **common)
+    uninterrupted, _, _ = tiny_run
 
     expected = load_model(uninterrupted["student_dir"]).state_dict()
     for name, tensor in load_model(resumed["student_dir"]).state_dict().items():

@@ -31,7 +31,7 @@ SMALL = ["data.resolution=16", "train.world_size=1", "train.rollout_batch_size=4
 
 
 @pytest.fixture(scope="module")
-def sd3_runs(prefect_server, fresh_ray, tmp_path_factory):
+def sd3_runs(prefect_server, shared_ray, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sd3run")
     teacher = build_tiny_sd3_pipeline(tmp / "teacher")
     prompts = tmp / "prompts.txt"

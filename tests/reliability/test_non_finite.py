@@ -24,7 +24,7 @@ DIVERGING = ["optim.lr=10.0", "optim.critic_lr=10.0", "optim.warmup_steps=8"]
 
 @pytest.mark.slow
 def test_a_diverging_critic_stops_the_run_and_stores_nothing_non_finite(prefect_server, tiny_teacher_dir,
-                                                                        fresh_ray, shared_cache, tmp_path):
+                                                                        shared_ray, shared_cache, tmp_path):
     recipe = write_recipe(tmp_path / "tiny.toml", tiny_teacher_dir, rollouts=10)
     store_root = tmp_path / "store"
     with pytest.raises(NonFiniteError) as failure:

@@ -113,7 +113,7 @@ def store_records(s3_store: str, outputs: Path) -> dict[str, str]:
 @pytest.mark.slow  # a tiny distill through the CLI, and an MLflow server to start: ~1-2 minutes
 def test_planted_secrets_appear_in_nothing_the_run_records(
         mlflow_server, prefect_server, s3_server, s3_store,  # noqa: F811 (mlflow_server: the imported fixture)
-        tiny_teacher_dir, fresh_ray, tmp_path, monkeypatch, capfd):
+        tiny_teacher_dir, shared_ray, tmp_path, monkeypatch, capfd):
     restore_after_test(monkeypatch, *MLFLOW_SETTINGS)
     monkeypatch.chdir(tmp_path)
     key_id, aws_secret = moto_credentials()
@@ -348,7 +348,7 @@ def test_rays_default_token_file_is_made_private(tmp_path, monkeypatch):
     assert token.stat().st_mode & 0o777 == 0o600
 
 
-def test_the_local_ray_refuses_clients_without_its_token(fresh_ray, tmp_path, monkeypatch):
+def test_the_local_ray_refuses_clients_without_its_token(shared_ray, tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     ensure_ray(num_cpus=1)
     address = ray.get_runtime_context().gcs_address

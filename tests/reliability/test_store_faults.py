@@ -17,24 +17,23 @@ from flows.distill import distill
 from infra.store import ArtifactStore, StoreWriteError
 from infra.store.io import is_staging_name
 from infra.store.keys import MANIFEST_NAME
-from tests.flows.conftest import write_recipe
+from tests.flows.conftest import TINY_EVAL_INTERVAL, TINY_ROLLOUTS, write_recipe
 from tests.infra.conftest import BUCKET, REGION
 from tests.reliability.checks import assert_every_step_once, assert_same_student
 from tests.reliability.faults import flip_byte, when
 
-ROLLOUTS = 3
+ROLLOUTS = TINY_ROLLOUTS
+pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs join the session's Ray
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(prefect_server, tiny_teacher_dir, fresh_ray, shared_cache, tmp_path_factory) -> dict:
-    """The tiny recipe's run with nothing going wrong, on a local store: what every faulty run must equal."""
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    return distill(**_common(folder, tiny_teacher_dir, shared_cache), run_id="whole",
-                   store_uri=(folder / "store").as_uri())
+def uninterrupted(tiny_run) -> dict:
+    """The tiny recipe's run with nothing going wrong: what every faulty run must equal."""
+    return tiny_run[0]
 
 
 def _common(tmp_path: Path, teacher: Path, cache: Path, rollouts: int = ROLLOUTS) -> dict:
-    recipe = write_recipe(tmp_path / f"tiny-{rollouts}.toml", teacher, rollouts)
+    recipe = write_recipe(tmp_path / f"tiny-{rollouts}.toml", teacher, rollouts, eval_interval=TINY_EVAL_INTERVAL)
     return dict(recipe=str(recipe), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
                 cache_dir=str(cache), output_dir=str(tmp_path / "out"))
 
@@ -101,7 +100,7 @@ def test_a_corrupted_latest_checkpoint_is_quarantined_and_the_one_before_used(un
     assert_same_student(continued, uninterrupted)
     assert_every_step_once(more["tracking_uri"], continued, ROLLOUTS)
     store = ArtifactStore(store_root.as_uri())
-    assert store.list_checkpoints("damaged") == [1, 2, 3]  # 2 written again, from the replay
+    assert store.list_checkpoints("damaged") == list(range(1, ROLLOUTS + 1))  # 2 written again, from the replay
     assert any("the checkpoint after 2 rollouts is damaged" in r.getMessage() and "quarantine" in r.getMessage()
                for r in caplog.records)
     # Moved aside and kept as it was found, not deleted: the actor's and the critic's directories of step 2.
@@ -140,7 +139,7 @@ def _staging_left(root: Path) -> list[Path]:
 
 @pytest.mark.slow
 def test_a_full_store_fails_the_run_clearly_and_leaves_no_partial_checkpoint(prefect_server, tiny_teacher_dir,
-                                                                             shared_cache, fresh_ray, tmp_path):
+                                                                             shared_cache, tmp_path):
     with _tmpfs(tmp_path / "disk", "64m") as disk:
         store_root = disk / "store"
         first_checkpoint = store_root / "full" / "checkpoints" / "1" / MANIFEST_NAME

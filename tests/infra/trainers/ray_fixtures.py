@@ -1,31 +1,20 @@
-"""Fixtures for the trainer-group tests: one local Ray per test module, a tiny teacher, tiny configs.
+"""Fixtures for the trainer-group tests: a tiny teacher, tiny configs. The session's one local Ray is
+tests/conftest.py's `shared_ray`; modules needing another cluster (the simulated multi-node one, a pretend
+GPU) shut it down and start theirs.
 
-Import the fixtures into a test module (``from tests.infra.trainers.ray_fixtures import local_ray, tiny_teacher``).
-Ray start-up is the slow part, so a module shares one Ray; modules needing another cluster (the
-simulated multi-node one) start theirs after this one is shut down.
+Import the fixtures into a test module (``from tests.infra.trainers.ray_fixtures import tiny_teacher``).
 """
 
 import tempfile
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 from dmd2.config import DistillConfig, config_from_dict
 from dmd2.family import RunSpec, family_for
 from dmd2.families.digits.model import build_digits_unet
 from infra.store import ArtifactStore
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray for one test module (4 logical CPUs: two colocated groups of world size 2)."""
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

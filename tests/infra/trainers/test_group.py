@@ -20,7 +20,7 @@ from infra.trainers.stages import (Groups, actor_train_stage, build_groups, conv
                                   load_groups, rollout_stage, run_rollout_on_groups, save_groups, score_stage)
 from infra.store import ArtifactRef
 from infra.trainers.configs import HookPaths, compute_trainer_configs
-from tests.infra.trainers.ray_fixtures import run_spec, local_ray, max_abs_diff, new_store, tiny_config, tiny_teacher  # noqa: F401
+from tests.infra.trainers.ray_fixtures import run_spec, max_abs_diff, new_store, tiny_config, tiny_teacher  # noqa: F401
 
 RUN = "run"
 ROLLOUTS = 2
@@ -45,21 +45,43 @@ def rollout_without_sleep(groups: Groups, run_id: str, rollout_id: int) -> dict[
 
 
 @pytest.fixture(scope="module")
-def world1(local_ray, tiny_teacher, tmp_path_factory):
-    """Two rollouts at world size 1."""
-    task = run_spec(tiny_config(tiny_teacher, 1))
-    store = new_store(tmp_path_factory.mktemp("world1"))
-    groups = build_groups(task, store)
+def world1(shared_ray, tiny_teacher, tmp_path_factory):
+    """Two rollouts at world size 1, then a checkpoint, an evaluation and an export, with the sleep ledger
+    read after each and every rank logging its system metrics to an MLflow run. The groups stay up for the
+    module's later tests (building them is the slow part)."""
+    from infra.tracking import RunTracker, SystemMetrics
+
+    tmp = tmp_path_factory.mktemp("world1")
+    config = tiny_config(tiny_teacher, 1).replace("eval", num_samples=20, reference_steps=2)
+    task, store = run_spec(config), new_store(tmp)
+    tracker = RunTracker.start_or_resume("sysmetrics", uri=f"sqlite:///{tmp / 'mlflow.db'}")
+    target = SystemMetrics.of(tracker.client.tracking_uri, tracker.mlflow_run_id, interval_s=0.5)
+    groups = build_groups(task, store, system_metrics=target)
     try:
+        ledger = {"built": groups.awake_roles()}
         metrics = [run_rollout_on_groups(groups, RUN, r) for r in range(ROLLOUTS)]
-        return {"task": task, "metrics": metrics, "weights": weights(groups, store, "final")}
+        ledger["rollout"] = groups.awake_roles()
+        final = weights(groups, store, "final")
+        save_groups(groups, RUN, step=ROLLOUTS)
+        ledger["checkpoint"] = groups.awake_roles()
+        groups.actor.evaluate(RUN, ROLLOUTS - 1)
+        ledger["evaluation"] = groups.awake_roles()
+        groups.actor.export(RUN, ROLLOUTS, {"scores": {}})
+        ledger["export"] = groups.awake_roles()
+        groups.actor.wake()
+        ledger["woken"] = groups.awake_roles()  # the ledger does see an awake group
+        groups.actor.sleep()
+        yield {"task": task, "metrics": metrics, "weights": final, "ledger": ledger, "groups": groups,
+               "store": store, "tracker": tracker}
     finally:
         groups.shutdown()
+        tracker.finish()
 
 
 @pytest.fixture(scope="module")
-def world2(local_ray, tiny_teacher, tmp_path_factory):
-    """Two rollouts at world size 2 (sleeping each group after use), checkpointed after the first."""
+def world2(shared_ray, tiny_teacher, tmp_path_factory):
+    """Two rollouts at world size 2 (sleeping each group after use), checkpointed after the first. The groups
+    stay up for the module's later tests."""
     task = run_spec(tiny_config(tiny_teacher, 2))
     store = new_store(tmp_path_factory.mktemp("world2"))
     groups = build_groups(task, store, RankResources(num_cpus=1))
@@ -68,8 +90,8 @@ def world2(local_ray, tiny_teacher, tmp_path_factory):
         after_first = digests(groups)
         checkpoint = save_groups(groups, RUN, step=1)
         metrics.append(run_rollout_on_groups(groups, RUN, 1))
-        return {"task": task, "store": store, "metrics": metrics, "checkpoint": checkpoint,
-                "after_first": after_first, "final": digests(groups), "weights": weights(groups, store, "final")}
+        yield {"task": task, "store": store, "metrics": metrics, "checkpoint": checkpoint, "groups": groups,
+               "after_first": after_first, "final": digests(groups), "weights": weights(groups, store, "final")}
     finally:
         groups.shutdown()
 
@@ -103,25 +125,23 @@ def test_world_size_1_matches_the_in_process_loop(world1, tiny_teacher):
 
 
 def test_save_load_continue_equals_uninterrupted_and_sleep_changes_nothing(world2):
-    """New groups load the checkpoint after rollout 0 and run rollout 1 without ever sleeping: the result is
-    bitwise the uninterrupted run, which slept every group after each use."""
-    store = world2["store"]
+    """The groups that went on past the checkpoint load it back and run rollout 1 without ever sleeping: the
+    result is bitwise the uninterrupted run, which slept every group after each use."""
+    store, groups = world2["store"], world2["groups"]
     assert store.latest_checkpoint(RUN).ref == world2["checkpoint"]
-    groups = build_groups(world2["task"], store, RankResources(num_cpus=1))
-    try:
-        load_groups(groups, store.latest_checkpoint(RUN).ref)
-        assert digests(groups) == world2["after_first"]
-        assert groups.awake_roles() == []  # built asleep, and loading does not leave them awake
-        for group in groups.in_order():
-            group.wake()
-            assert all(r["offloaded_bytes"] > 0 for r in group.sleep())
-            group.wake()
-        assert digests(groups) == world2["after_first"]
-        metrics = rollout_without_sleep(groups, "resumed", 1)
-        assert digests(groups) == world2["final"]
-        assert metrics == world2["metrics"][1]
-    finally:
-        groups.shutdown()
+    load_groups(groups, store.latest_checkpoint(RUN).ref)
+    assert digests(groups) == world2["after_first"]
+    assert groups.awake_roles() == []  # loading does not leave them awake
+    for group in groups.in_order():
+        group.wake()
+        assert all(r["offloaded_bytes"] > 0 for r in group.sleep())
+        group.wake()
+    assert digests(groups) == world2["after_first"]
+    metrics = rollout_without_sleep(groups, "resumed", 1)
+    assert digests(groups) == world2["final"]
+    assert metrics == world2["metrics"][1]
+    for group in groups.in_order():
+        group.sleep()
 
 
 def pairing_group(role: str, task, store, placement) -> TrainerGroup:
@@ -196,26 +216,9 @@ def test_sleep_frees_accelerator_memory_and_wake_brings_it_back(tiny_teacher, tm
         groups.shutdown()
 
 
-def test_the_sleep_ledger_shows_no_group_awake_after_each_rollout_checkpoint_and_evaluation(local_ray, tiny_teacher,
-                                                                                          tmp_path):
-    config = tiny_config(tiny_teacher, 1).replace("eval", num_samples=20, reference_steps=2)
-    groups = build_groups(run_spec(config), new_store(tmp_path))
-    try:
-        ledger = {"built": groups.awake_roles()}
-        run_rollout_on_groups(groups, RUN, 0)
-        ledger["rollout"] = groups.awake_roles()
-        save_groups(groups, RUN, step=1)
-        ledger["checkpoint"] = groups.awake_roles()
-        groups.actor.evaluate(RUN, 0)
-        ledger["evaluation"] = groups.awake_roles()
-        groups.actor.export(RUN, 1, {"scores": {}})
-        ledger["export"] = groups.awake_roles()
-        groups.actor.wake()
-        ledger["woken"] = groups.awake_roles()  # the ledger does see an awake group
-    finally:
-        groups.shutdown()
-    assert ledger == {"built": [], "rollout": [], "checkpoint": [], "evaluation": [], "export": [],
-                      "woken": ["actor"]}
+def test_the_sleep_ledger_shows_no_group_awake_after_each_rollout_checkpoint_and_evaluation(world1):
+    assert world1["ledger"] == {"built": [], "rollout": [], "checkpoint": [], "evaluation": [], "export": [],
+                                "woken": ["actor"]}
 
 
 def test_a_bf16_run_completes_on_cpu_and_computes_in_bf16(world1, tiny_teacher, tmp_path):
@@ -235,22 +238,22 @@ def test_a_bf16_run_completes_on_cpu_and_computes_in_bf16(world1, tiny_teacher, 
 
 
 @pytest.fixture(scope="module")
-def fsdp_world2(local_ray, tiny_teacher, tmp_path_factory):
-    """Two rollouts at world size 2 with FSDP2 shards (gloo), every group asleep between stages."""
+def fsdp_world2(shared_ray, world1, tiny_teacher):
+    """Two rollouts at world size 2 with FSDP2 shards (gloo), every group asleep between stages; run "fsdp" in
+    world1's store, so that world1's groups can load its checkpoint."""
     task = run_spec(tiny_config(tiny_teacher, 2, parallel="fsdp"))
-    store = new_store(tmp_path_factory.mktemp("fsdp"))
+    store, run = world1["store"], "fsdp"
     groups = build_groups(task, store, RankResources(num_cpus=1))
     try:
-        metrics = [run_rollout_on_groups(groups, RUN, 0)]
-        checkpoint = save_groups(groups, RUN, step=1)
-        metrics.append(run_rollout_on_groups(groups, RUN, 1))
+        metrics = [run_rollout_on_groups(groups, run, 0)]
+        checkpoint = save_groups(groups, run, step=1)
+        metrics.append(run_rollout_on_groups(groups, run, 1))
         ledger = groups.awake_roles()
         final = digests(groups)
         offloaded = {group.role: [r["offloaded_bytes"] for r in (group.wake(), group.sleep())[1]]
                      for group in groups.in_order()}
-        return {"metrics": metrics, "final": final, "weights": weights(groups, store, "final"),
-                "ledger": ledger, "offloaded": offloaded, "after_sleeping": digests(groups), "store": store,
-                "checkpoint": checkpoint}
+        return {"metrics": metrics, "final": final, "weights": weights(groups, store, "fsdp-final"),
+                "ledger": ledger, "offloaded": offloaded, "after_sleeping": digests(groups), "checkpoint": checkpoint}
     finally:
         groups.shutdown()
 
@@ -275,32 +278,18 @@ def test_fsdp_shards_sleep_shard_wise_and_wake_bitwise(tiny_teacher, fsdp_world2
 
 
 def test_a_sharded_checkpoint_of_world_size_2_continues_at_world_size_1_to_the_same_models(world1, fsdp_world2):
-    """FSDP2 shards written by two ranks, loaded into one DDP rank: rollout 1 then lands where the
-    uninterrupted world-size-1 run did."""
-    store = fsdp_world2["store"]
-    task = run_spec(tiny_config(world1["task"].config.model.teacher, 1))
-    groups = build_groups(task, store)
-    try:
-        load_groups(groups, fsdp_world2["checkpoint"])
-        run_rollout_on_groups(groups, "continued", 1)
-        continued = weights(groups, store, "continued")
-    finally:
-        groups.shutdown()
+    """FSDP2 shards written by two ranks, loaded into one DDP rank (the world-size-1 groups, which trained on
+    meanwhile): rollout 1 then lands where the uninterrupted world-size-1 run did."""
+    groups = world1["groups"]
+    load_groups(groups, fsdp_world2["checkpoint"])
+    run_rollout_on_groups(groups, "continued", 1)
+    continued = weights(groups, world1["store"], "continued")
     for role in ("actor", "critic"):
         assert max_abs_diff(world1["weights"][role], continued[role]) <= 1e-5, role
 
 
-def test_every_rank_logs_its_system_metrics_to_the_run_under_its_own_node_id(local_ray, tiny_teacher, tmp_path):
-    from infra.tracking import RunTracker, SystemMetrics
-
-    tracker = RunTracker.start_or_resume("sysmetrics", uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    target = SystemMetrics.of(tracker.client.tracking_uri, tracker.mlflow_run_id, interval_s=0.5)
-    groups = build_groups(run_spec(tiny_config(tiny_teacher, 1)), new_store(tmp_path), system_metrics=target)
-    try:
-        run_rollout_on_groups(groups, RUN, 0)
-    finally:
-        groups.shutdown()
-    tracker.finish()
+def test_every_rank_logs_its_system_metrics_to_the_run_under_its_own_node_id(world1):
+    tracker = world1["tracker"]
     logged = tracker.client.get_run(tracker.mlflow_run_id).data.metrics
     for node in ("actor-0", "critic-0"):
         assert any(key.startswith(f"system/{node}/cpu_utilization") for key in logged), sorted(logged)

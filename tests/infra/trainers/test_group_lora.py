@@ -11,7 +11,7 @@ from diffusers import AutoModel
 from infra.store import ArtifactRef
 from infra.trainers.cluster import RankResources
 from infra.trainers.stages import build_groups, load_groups, run_rollout_on_groups, save_groups
-from tests.infra.trainers.ray_fixtures import local_ray, max_abs_diff, new_store, run_spec, tiny_config, tiny_teacher  # noqa: F401
+from tests.infra.trainers.ray_fixtures import max_abs_diff, new_store, run_spec, tiny_config, tiny_teacher  # noqa: F401
 
 RUN = "run"
 
@@ -30,8 +30,9 @@ def digests(groups) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def lora_world1(local_ray, tiny_teacher, tmp_path_factory):
-    """Two LoRA rollouts at world size 1, checkpointed after the first, and the student's export."""
+def lora_world1(shared_ray, tiny_teacher, tmp_path_factory):
+    """Two LoRA rollouts at world size 1, checkpointed after the first, and the student's export. The groups
+    stay up for the module's tests (building them is the slow part)."""
     task = run_spec(lora_config(tiny_teacher, 1))
     store = new_store(tmp_path_factory.mktemp("lora"))
     groups = build_groups(task, store)
@@ -41,8 +42,8 @@ def lora_world1(local_ray, tiny_teacher, tmp_path_factory):
         checkpoint = save_groups(groups, RUN, step=1)
         run_rollout_on_groups(groups, RUN, 1)
         exported = store.get_dir(groups.actor.export(RUN, 2, {}), tmp_path_factory.mktemp("export") / "student")
-        return {"task": task, "store": store, "checkpoint": checkpoint, "after_first": after_first,
-                "final": digests(groups), "weights": weights(groups, store, "final"), "export": exported}
+        yield {"task": task, "store": store, "checkpoint": checkpoint, "after_first": after_first, "groups": groups,
+               "final": digests(groups), "weights": weights(groups, store, "final"), "export": exported}
     finally:
         groups.shutdown()
 
@@ -63,14 +64,11 @@ def test_a_lora_checkpoint_holds_only_adapters_and_resumes_bitwise(lora_world1, 
     for folder in (actor_dir, store.get_dir(critic, tmp_path / "critic")):
         tensors = json.loads((folder / "dcp_metadata.json").read_text())["tensors"]
         assert tensors and all(".lora_A." in key or ".lora_B." in key for key in tensors), folder.name
-    groups = build_groups(lora_world1["task"], store)
-    try:
-        load_groups(groups, actor)
-        assert digests(groups) == lora_world1["after_first"]
-        run_rollout_on_groups(groups, "resumed", 1)
-        assert digests(groups) == lora_world1["final"]
-    finally:
-        groups.shutdown()
+    groups = lora_world1["groups"]  # they trained on past the checkpoint: loading takes them back
+    load_groups(groups, actor)
+    assert digests(groups) == lora_world1["after_first"]
+    run_rollout_on_groups(groups, "resumed", 1)
+    assert digests(groups) == lora_world1["final"]
 
 
 def test_the_export_holds_the_merged_unet_and_the_adapter(lora_world1, tiny_teacher):

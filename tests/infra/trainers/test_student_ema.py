@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from infra.trainers.cluster import RankResources
 from infra.trainers.stages import build_groups, load_groups, run_rollout_on_groups, save_groups
-from tests.infra.trainers.ray_fixtures import local_ray, new_store, run_spec, tiny_config, tiny_teacher  # noqa: F401
+from tests.infra.trainers.ray_fixtures import new_store, run_spec, tiny_config, tiny_teacher  # noqa: F401
 
 RUN = "run"
 DECAY = 0.5  # two rollouts move the average visibly away from the raw weights
@@ -24,8 +24,9 @@ def student_weights(groups, store, tag: str, ema: bool):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(local_ray, tiny_teacher, tmp_path_factory):
-    """Two rollouts, checkpointed after the first; then the student's export."""
+def uninterrupted(shared_ray, tiny_teacher, tmp_path_factory):
+    """Two rollouts, checkpointed after the first; then the student's export. The groups stay up for the
+    module's tests."""
     tmp = tmp_path_factory.mktemp("ema")
     task, store = ema_task(tiny_teacher), new_store(tmp)
     groups = build_groups(task, store, RankResources(num_cpus=1))
@@ -38,8 +39,8 @@ def uninterrupted(local_ray, tiny_teacher, tmp_path_factory):
         exported = store.get_dir(groups.actor.export(RUN, 2, card={}), tmp / "student")
         with pytest.raises(ValueError, match="the critic group keeps no EMA"):
             groups.critic.export_weights(f"{RUN}/exports/critic.safetensors", ema=True)
-        return {"task": task, "store": store, "checkpoint": checkpoint, "digests": digests, "ema": ema, "raw": raw,
-                "exported": store_tensors(exported), "after_export": groups.actor.state_digests()}
+        yield {"task": task, "store": store, "checkpoint": checkpoint, "digests": digests, "ema": ema, "raw": raw,
+               "exported": store_tensors(exported), "after_export": groups.actor.state_digests(), "groups": groups}
     finally:
         groups.shutdown()
 
@@ -55,15 +56,11 @@ def assert_equal(found, expected) -> None:
 
 
 def test_a_run_resumed_from_its_checkpoint_continues_the_ema_bitwise(uninterrupted):
-    store = uninterrupted["store"]
-    groups = build_groups(uninterrupted["task"], store, RankResources(num_cpus=1))
-    try:
-        load_groups(groups, uninterrupted["checkpoint"])
-        run_rollout_on_groups(groups, "resumed", 1)
-        assert groups.actor.state_digests() == uninterrupted["digests"]  # weights, optimizer and EMA
-        assert_equal(student_weights(groups, store, "resumed", ema=True), uninterrupted["ema"])
-    finally:
-        groups.shutdown()
+    store, groups = uninterrupted["store"], uninterrupted["groups"]  # they trained on past the checkpoint
+    load_groups(groups, uninterrupted["checkpoint"])
+    run_rollout_on_groups(groups, "resumed", 1)
+    assert groups.actor.state_digests() == uninterrupted["digests"]  # weights, optimizer and EMA
+    assert_equal(student_weights(groups, store, "resumed", ema=True), uninterrupted["ema"])
 
 
 def test_the_export_is_the_ema_student_and_training_keeps_its_raw_weights(uninterrupted):
