@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import ray
 from mlflow import MlflowClient
 from prefect.client.orchestration import PrefectClient
 
@@ -80,7 +81,7 @@ def stop_process(process: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_two_triggers_of_a_pooled_deployment_run_one_after_the_other_and_register_their_students(tiny_teacher_dir,
-                                                                                                   tmp_path):
+                                                                                                   shared_ray, tmp_path):
     server = PrefectServer(tmp_path / "prefect")
     worker = None
     try:
@@ -99,8 +100,11 @@ def test_two_triggers_of_a_pooled_deployment_run_one_after_the_other_and_registe
         args = [item for key, value in params.items() for item in ("--param", f"{key}={value}")]
         for _ in range(2):  # both at once: the second must wait for the first, then continue it by one more
             server.cli("deployment", "run", "distill/digits-4step", *args, "--param", "more_rollouts=1")
+        # The flow runs join a running Ray cluster, as a deployment does in production (RAY_ADDRESS, token
+        # authentication); here the session's, which also spares each run a Ray start.
+        cluster = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address, "RAY_AUTH_MODE": "token"}
         worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "dmd2"], cwd=ROOT,
-                                  env=server.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  env=server.env | cluster, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 900
         while True:
             runs = server.api_call(lambda c: c.read_flow_runs())
@@ -108,7 +112,7 @@ def test_two_triggers_of_a_pooled_deployment_run_one_after_the_other_and_registe
             if len(distills) == 2 and all(r.state.is_final() for r in distills):
                 break
             assert time.monotonic() < deadline, [(r.name, r.state.name) for r in distills]
-            time.sleep(3)
+            time.sleep(1)
         assert all(r.state.is_completed() for r in distills), [(r.name, r.state.message) for r in distills]
         first, second = sorted(distills, key=lambda r: r.start_time)
         assert second.start_time >= first.end_time  # one after the other
