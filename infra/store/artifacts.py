@@ -20,7 +20,7 @@ from infra.store import keys as store_keys
 from infra.store.digest import file_sha256, legacy_sha256, sha256_hex, verify
 from infra.store.faults import ArtifactExistsError, IntegrityError, StoreError
 from infra.store.io import absent_is_none, file_chunks, hidden_sibling, list_local_files
-from infra.store.keys import CHECKPOINTS_DIR, MANIFEST_NAME, ManifestEntry, validate_key, validate_name
+from infra.store.keys import CHECKPOINTS_DIR, MANIFEST_NAME, QUARANTINE_DIR, ManifestEntry, validate_key, validate_name
 from infra.store.local import LocalBackend
 from infra.store.refs import ArtifactRef, Checkpoint
 from infra.store.s3 import S3Backend
@@ -32,9 +32,8 @@ STALE_STAGING_S = 3600.0
 
 
 def open_backend(root_uri: str, retry_mode: str, max_attempts: int) -> LocalBackend | S3Backend:
-    """The backend for ``root_uri``: a folder (``file://...`` or a bare path) or ``s3://...``. ``ValueError``
-    for other schemes and for URIs that embed credentials (``s3://key:secret@bucket``): refused, not stripped
-    (a stripped URI would quietly use whatever the AWS settings hold), and never echoed back."""
+    """The backend for ``root_uri``: a folder (``file://...`` or a bare path) or ``s3://...``. A URI that embeds
+    credentials is refused, not stripped (a stripped one would quietly use the AWS settings), and never echoed."""
     if not isinstance(root_uri, str) or not root_uri:
         raise ValueError("the store root must be a non-empty URI, e.g. file:///data/artifacts")
     scheme, separator, rest = root_uri.partition("://")
@@ -55,11 +54,9 @@ def open_backend(root_uri: str, retry_mode: str, max_attempts: int) -> LocalBack
 class ArtifactStore:
     """Put and get verified artifacts below ``root_uri`` (``file://``, a bare path, or ``s3://``).
 
-    On S3 every request is retried by botocore alone, in ``retry_mode`` (``standard``; ``adaptive`` also slows
-    down when S3 throttles), ``max_attempts`` attempts in all, waiting rand(0, 1) * min(2**k, 20) s before
-    the k-th retry: the default 8 ride out an endpoint down for a few seconds and give up on one that stays
-    down after about 35 s (70 s at most), with ``StoreUnavailableError``. The store holds no credential (S3's
-    come from the standard AWS settings); it pickles as its root URI and retry settings.
+    On S3, botocore retries each request in ``retry_mode`` (``adaptive`` also slows down when S3 throttles),
+    ``max_attempts`` in all, waiting rand(0, 1) * min(2**k, 20) s before the k-th retry: the default 8 give up
+    on an endpoint down for good after about 35 s (70 s at most). Pickles as its root URI and retry settings.
     """
 
     rollout_key = staticmethod(store_keys.rollout_key)
@@ -82,7 +79,7 @@ class ArtifactStore:
         return f"ArtifactStore({self.root_uri!r})"
 
     def __reduce__(self) -> tuple:
-        return (type(self), (self.root_uri, self.retry_mode, self.max_attempts))
+        return type(self), (self.root_uri, self.retry_mode, self.max_attempts)
 
     def uri(self, key: str) -> str:
         """The URI that ``key`` has in this store."""
@@ -104,15 +101,13 @@ class ArtifactStore:
     # -- tensors and JSON ----------------------------------------------------------------------
 
     def put_tensors(self, key: str, tensors: Mapping[str, torch.Tensor], durable: bool = True) -> ArtifactRef:
-        """Store a dict of tensors as one safetensors object at ``key`` (``safetensors.torch.save``, its rules:
-        contiguous, no shared memory); overwrites atomically. ``durable=False``, for objects made again after a
-        machine crash (a rollout's payloads): still atomic, but file:// does not wait for the disk (fsync)."""
+        """Store tensors as one safetensors object at ``key`` (contiguous, no shared memory); overwrites
+        atomically. ``durable=False`` (objects made again after a machine crash) skips file://'s fsyncs."""
         validate_key(key)
         return self._put(key, _safetensors_bytes(key, tensors), "tensors", durable)
 
     def get_tensors(self, ref: ArtifactRef, device: str = "cpu") -> dict[str, torch.Tensor]:
-        """The tensors of ``ref``, parsed (``safetensors.torch.load``, into private memory) from the very
-        bytes whose sha256 was checked (``IntegrityError`` if it does not match)."""
+        """The tensors of ``ref``, parsed into private memory from the very bytes whose sha256 was checked."""
         data = self._get(ref, "tensors")
         try:
             tensors = safetensors.torch.load(data)
@@ -126,15 +121,11 @@ class ArtifactStore:
         return self._put(key, json.dumps(obj, sort_keys=True).encode("utf-8"), "json")
 
     def get_json(self, ref: ArtifactRef) -> Any:
-        """The JSON value of ``ref``, after verifying its sha256."""
         return json.loads(self._get(ref, "json").decode("utf-8"))
 
     def find_json(self, key: str) -> Any | None:
-        """The JSON value at ``key``, or None when nothing is there; unverified (no ref), for small records
-        whose key is their identity, such as the scheduled series' runs."""
-        validate_key(key)
-        with self._faults(key):
-            data = absent_is_none(lambda: self._backend.read_bytes(key))
+        """The JSON value at ``key``, or None; unverified (no ref), for small records whose key is their identity."""
+        data = self._read_if_present(validate_key(key))
         return None if data is None else json.loads(data.decode("utf-8"))
 
     def _put(self, key: str, data: bytes, kind: str, durable: bool = True) -> ArtifactRef:
@@ -150,11 +141,15 @@ class ArtifactStore:
         verify(ref.uri, ref.sha256, sha256_hex(data), lambda: legacy_sha256(data), detail)
         return data
 
-    # -- small mutable objects: conditional writes ----------------------------------------------
+    def _read_if_present(self, key: str) -> bytes | None:
+        with self._faults(key):
+            return absent_is_none(lambda: self._backend.read_bytes(key))
+
+    # -- small mutable objects (the lease): conditional writes; a version is an opaque str -------
 
     def create_if_absent(self, key: str, data: bytes) -> str | None:
-        """Store ``data`` at ``key`` only if no object is there: of many concurrent creators exactly one gets
-        the object's version (an opaque str), the others None. For small control objects (the lease)."""
+        """Store ``data`` at ``key`` only if no object is there: of concurrent creators exactly one gets its
+        version, the others None."""
         with self._faults(key, writing=True):
             return self._backend.create_if_absent(validate_key(key), bytes(data))
 
@@ -164,8 +159,7 @@ class ArtifactStore:
             return self._backend.read_versioned(validate_key(key))
 
     def replace_if(self, key: str, data: bytes, version: str) -> str | None:
-        """Compare-and-swap: replace the object at ``key`` only if it is still at ``version``; the new
-        version, or None if it changed or is gone (nothing written)."""
+        """Replace the object at ``key`` only if it is still at ``version``; the new version, or None."""
         with self._faults(key, writing=True):
             return self._backend.replace_if(validate_key(key), bytes(data), version)
 
@@ -178,15 +172,12 @@ class ArtifactStore:
 
     def put_dir(self, key: str, local_dir: str | os.PathLike,
                 on_file: Callable[[str, int], None] | None = None) -> ArtifactRef:
-        """Store every file below ``local_dir`` at ``key``, with a manifest (each file's sha256) written last:
-        the directory is visible only once it lands; if anything fails, what was written is removed.
-        ``on_file(rel_path, nbytes)`` follows each file (progress). A complete directory at ``key`` is never
-        replaced: identical contents return its ref (a retried task succeeds), others raise
-        ``ArtifactExistsError``."""
+        """Store every file below ``local_dir`` at ``key``, calling ``on_file(rel_path, nbytes)`` after each.
+        A complete directory is never replaced: identical contents return its ref (a retried task succeeds),
+        others raise ``ArtifactExistsError``."""
         validate_key(key)
         files = list_local_files(Path(local_dir))
-        existing = self.find_dir(key)
-        if existing is not None:
+        if (existing := self.find_dir(key)) is not None:
             return self._same_dir_or_raise(existing, files)
         backend = self._backend
         with self._faults(key, writing=True):
@@ -199,18 +190,17 @@ class ArtifactStore:
                     if on_file is not None:
                         on_file(rel_path, nbytes)
                 manifest = store_keys.encode_manifest(entries)
-                backend.write(f"{staging}/{MANIFEST_NAME}", [manifest])
+                backend.write(f"{staging}/{MANIFEST_NAME}", [manifest])  # last: it makes the directory visible
                 backend.publish_dir(key, staging)
             except BaseException:
                 backend.discard_staging(staging)
                 raise
-        return ArtifactRef(self._backend.uri_of(key), sha256_hex(manifest), sum(e.nbytes for e in entries), "dir")
+        return ArtifactRef(backend.uri_of(key), sha256_hex(manifest), sum(e.nbytes for e in entries), "dir")
 
     def get_dir(self, ref: ArtifactRef, local_dir: str | os.PathLike, paths: Iterable[str] | None = None) -> Path:
-        """Download the directory of ``ref`` (or only its files ``paths``) into ``local_dir`` (absent or
-        empty); return its path. Its manifest is checked against ``ref.sha256``, every file against the
-        manifest (``IntegrityError`` naming the file), all in a hidden staging folder renamed to
-        ``local_dir`` once all are verified: a failure leaves no partial copy."""
+        """Download the directory of ``ref`` (or only its files ``paths``) into ``local_dir`` (absent or empty)
+        and return its path. Every file is verified in a hidden folder renamed to ``local_dir`` at the end: a
+        failure leaves no partial copy."""
         key = self._key_of(ref, "dir")
         entries = self._read_manifest(key, ref.sha256)
         if paths is not None:
@@ -253,12 +243,10 @@ class ArtifactStore:
         return store_keys.decode_manifest(data, uri)
 
     def find_dir(self, key: str) -> ArtifactRef | None:
-        """The ref of the complete directory at ``key``; None without a readable manifest (absent, or a
-        write that never finished)."""
+        """The ref of the complete directory at ``key``; None without a readable manifest (absent, or a write
+        that never finished)."""
         manifest_key = f"{validate_key(key)}/{MANIFEST_NAME}"
-        with self._faults(manifest_key):
-            data = absent_is_none(lambda: self._backend.read_bytes(manifest_key))
-        if data is None:
+        if (data := self._read_if_present(manifest_key)) is None:
             return None
         try:
             entries = store_keys.decode_manifest(data, self._backend.uri_of(manifest_key))
@@ -268,8 +256,8 @@ class ArtifactStore:
         return ArtifactRef(self._backend.uri_of(key), sha256_hex(data), sum(e.nbytes for e in entries), "dir")
 
     def discard_dir(self, key: str) -> None:
-        """Delete the directory at ``key`` (complete or not): its manifest first, so that readers stop seeing
-        it at once, then its files. Nothing there is not an error."""
+        """Delete the directory at ``key`` (complete or not), its manifest first so that readers stop seeing it
+        at once; nothing there is not an error."""
         validate_key(key)
         with self._faults(key, writing=True):
             self._backend.delete_tree(f"{key}/{MANIFEST_NAME}")
@@ -290,8 +278,7 @@ class ArtifactStore:
     def checkpoint_ref(self, run_id: str, step: int) -> ArtifactRef:
         """The ref of the complete checkpoint of ``step`` (``FileNotFoundError`` if none)."""
         key = store_keys.checkpoint_key(run_id, step)
-        ref = self.find_dir(key)
-        if ref is None:
+        if (ref := self.find_dir(key)) is None:
             raise FileNotFoundError(f"no complete checkpoint at {self._backend.uri_of(key)}")
         return ref
 
@@ -303,12 +290,10 @@ class ArtifactStore:
             return [step for step in steps if self._backend.exists(f"{prefix}/{step}/{MANIFEST_NAME}")]
 
     def latest_checkpoint(self, run_id: str) -> Checkpoint | None:
-        """The run's newest complete checkpoint, or None. Folders without a manifest (a write that never
-        finished) or with an unreadable one are skipped."""
+        """The run's newest complete checkpoint (with a readable manifest), or None."""
         prefix = store_keys.checkpoints_prefix(run_id)
         for step in reversed(self._numbered_dirs(prefix, store_keys.parse_step_dir)):
-            ref = self.find_dir(f"{prefix}/{step}")
-            if ref is not None:
+            if (ref := self.find_dir(f"{prefix}/{step}")) is not None:
                 return Checkpoint(step, ref)
         return None
 
@@ -317,9 +302,8 @@ class ArtifactStore:
         """Load the run's newest sound checkpoint with ``load(ref)``; return its step (0: there is none).
 
         One that fails its checksum or misses a file is read once more (a torn read is not damage), then
-        quarantined, reported with ``on_damaged(step, error, quarantine URI)`` (default: a warning), and the
-        one before is tried. Any other error (the store down through all its attempts) propagates and leaves
-        the checkpoint where it is: a fault of the moment never condemns one.
+        quarantined, reported with ``on_damaged(step, error, quarantine URI)`` (default: a warning), and the one
+        before is tried. Any other error propagates: a fault of the moment (the store down) never condemns one.
         """
         while (latest := self.latest_checkpoint(run_id)) is not None:
             for _ in range(2):
@@ -336,12 +320,11 @@ class ArtifactStore:
         return 0
 
     def quarantine_checkpoint(self, run_id: str, step: int) -> str:
-        """Move the checkpoint of ``step`` (every group's ``<step>`` and ``<step>-rank-<r>`` folders, rank 0's
-        actor directory first) to ``<run_id>/quarantine/<step>-<UTC time>/<folder>/<name>``: kept and never
-        deleted, but no longer a checkpoint. Returns the quarantine's URI."""
+        """Move every folder of the checkpoint of ``step`` (each group's ``<step>`` and ``<step>-rank-<r>``) to
+        ``<run_id>/quarantine/<step>-<UTC time>/<folder>/<name>``, kept but no longer a checkpoint; its URI."""
         run_id = validate_name(run_id, "run id")
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-        target = f"{store_keys.quarantine_prefix(run_id)}/{int(step)}-{stamp}"
+        target = f"{run_id}/{QUARANTINE_DIR}/{int(step)}-{stamp}"
         with self._faults(target, writing=True):
             for folder in self._backend.list_dirs(run_id):
                 if folder == CHECKPOINTS_DIR or folder.startswith(f"{CHECKPOINTS_DIR}_"):
@@ -355,8 +338,8 @@ class ArtifactStore:
         return self._numbered_dirs(validate_name(run_id, "run id"), store_keys.parse_rollout_dir)
 
     def prune(self, run_id: str, keep_last: int) -> list[int]:
-        """Delete the run's rollout folders but the ``keep_last`` newest; return their numbers. Nothing else
-        under the run is touched, but what killed writers left (file:// staging unchanged for an hour)."""
+        """Delete the run's rollout folders but the ``keep_last`` newest, and what killed writers left (file://
+        staging unchanged for an hour); return the rollouts' numbers. Nothing else under the run is touched."""
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
             raise ValueError(f"keep_last must be an int >= 0, got {keep_last!r}")
         rollouts = self.list_rollouts(run_id)

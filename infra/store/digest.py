@@ -1,9 +1,7 @@
-"""The digest every stored object is checked against: the plain sha256 of its bytes, what ``sha256sum``
-prints (``python -m infra.store FILE`` prints it the same way).
+"""The digest every stored object is checked against: the plain sha256 of its bytes, what ``sha256sum`` prints.
 
-Stores written before manifest format v2 hold a piece-wise digest instead, sha256 of the concatenated
-sha256s of the object's 1 MiB pieces: ``legacy_sha256`` computes it (only when the plain digest does not
-match), so their refs and manifests still verify.
+Stores written before manifest format v2 hold a piece-wise digest instead (sha256 of the concatenated sha256s
+of the object's 1 MiB pieces); it is computed only when the plain one does not match, so they still verify.
 """
 
 from __future__ import annotations
@@ -15,16 +13,13 @@ from collections.abc import Callable
 from infra.store.faults import IntegrityError
 
 LEGACY_PIECE_BYTES = 2**20
-Buffer = bytes | bytearray | memoryview
 
 
-def sha256_hex(data: Buffer) -> str:
-    """The plain sha256 of ``data``."""
+def sha256_hex(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def legacy_sha256(data: Buffer) -> str:
-    """The digest of stores written before manifest format v2 (see the module docstring)."""
+def legacy_sha256(data: bytes | bytearray | memoryview) -> str:
     view = memoryview(data).cast("B")
     pieces = (hashlib.sha256(view[at : at + LEGACY_PIECE_BYTES]).digest()
               for at in range(0, len(view), LEGACY_PIECE_BYTES))
@@ -43,7 +38,7 @@ def file_sha256(path: str | os.PathLike, legacy: bool = False) -> str:
 
 
 def verify(uri: str, expected: str, actual: str, legacy: Callable[[], str], detail: str = "") -> None:
-    """Raise ``IntegrityError`` unless ``actual`` (the plain sha256) or, for an object of an older store,
-    ``legacy()`` is the ``expected`` digest."""
+    """``IntegrityError`` unless ``actual`` (the plain sha256) or, for an older store's object, ``legacy()`` is
+    the ``expected`` digest."""
     if actual != expected and legacy() != expected:
         raise IntegrityError(uri, expected, actual, detail)

@@ -1,10 +1,7 @@
 """Errors of the artifact store, and what a failure means once the libraries' own retries are spent.
 
-Retrying is botocore's alone (its ``standard`` or ``adaptive`` mode, set on the store); this module only
-turns what still fails into an error the user can act on, naming the settings to check, never their
-values: refused credentials (``StoreAccessError``), a missing bucket (``StoreNotFoundError``), a store
-that stayed down through every attempt (``StoreUnavailableError``), a filesystem that refuses writes
-(``StoreWriteError``). Anything else propagates unchanged.
+Retrying is botocore's alone (its ``standard`` or ``adaptive`` mode, set on the store); this module only turns
+what still fails into an error naming the settings to check, never their values. Anything else propagates.
 """
 
 from __future__ import annotations
@@ -17,10 +14,6 @@ import botocore.parsers
 
 from dmd2.failures import RunError
 
-CREDENTIAL_SETTINGS = (
-    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary keys), "
-    "or AWS_PROFILE and its entry in ~/.aws/credentials"
-)
 ENDPOINT_SETTINGS = "AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 (or endpoint_url in ~/.aws/config)"
 _CREDENTIAL_CODES = frozenset({
     "AccessDenied", "AllAccessDisabled", "ExpiredToken", "InvalidAccessKeyId", "InvalidClientTokenId",
@@ -68,8 +61,8 @@ class StoreAccessError(StoreError, PermissionError):
 
 
 class StoreNotFoundError(StoreError):
-    """The store's bucket does not exist (or is invisible to these credentials). Not a FileNotFoundError:
-    code that takes a missing object for "not written yet" must not mistake a missing bucket for it."""
+    """The store's bucket does not exist (or these credentials cannot see it). Not a FileNotFoundError: code
+    that takes a missing object for "not written yet" must not mistake a missing bucket for it."""
 
 
 class StoreUnavailableError(StoreError, ConnectionError):
@@ -95,12 +88,6 @@ def client_error_code(exc: BaseException) -> tuple[str, int] | None:
     return None
 
 
-def is_missing_bucket(exc: BaseException) -> bool:
-    """True if ``exc`` says the bucket itself is missing (not merely an object)."""
-    coded = client_error_code(exc)
-    return coded is not None and coded[0] == "NoSuchBucket"
-
-
 def describe(exc: BaseException) -> str:
     """A short, secret-free label for logs: the exception type and the service's error code."""
     coded = client_error_code(exc)
@@ -117,7 +104,9 @@ def s3_error(exc: BaseException, uri: str, bucket: str, endpoint: str, attempts:
             or (coded is None and isinstance(exc, PermissionError))):  # s3fs drops the cause on a few paths
         return StoreAccessError(
             f"the object store at {endpoint} refused access to {uri} ({describe(exc)}). Check the credentials: "
-            f"{CREDENTIAL_SETTINGS}; that they may use bucket '{bucket}'; and the endpoint: {ENDPOINT_SETTINGS}.")
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary keys), or AWS_PROFILE "
+            f"and its entry in ~/.aws/credentials; that they may use bucket '{bucket}'; and the endpoint: "
+            f"{ENDPOINT_SETTINGS}.")
     if code == "NoSuchBucket":
         return StoreNotFoundError(
             f"bucket '{bucket}' does not exist at {endpoint} (needed for {uri}). Create it, or check the store "

@@ -1,6 +1,6 @@
-"""What a local folder and S3 do alike, through one fsspec code path: read, copy out hashing, list, delete,
-move. Where they differ (visibility of a write, conditional writes) is ``local.py``'s and ``s3.py``'s.
-Also the staging names of writes in progress and the walk of a folder to be stored."""
+"""What a local folder and S3 do alike, through one fsspec code path (read, copy out hashing, list, delete,
+move); how a write becomes visible and conditional writes are ``local.py``'s and ``s3.py``'s. Also the staging
+names of writes in progress and the walk of a folder to be stored."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from fsspec import AbstractFileSystem
 
-from infra.store.faults import describe, is_missing_bucket
+from infra.store.faults import client_error_code, describe
 from infra.store.keys import MANIFEST_NAME, validate_key
 
 T = TypeVar("T")
@@ -35,27 +35,18 @@ class Backend:
         return f"{type(self).__name__}({self.root_uri!r})"
 
     def path(self, key: str) -> str:
-        """The filesystem path of a key."""
         return f"{self.root_path}/{key}"
 
     def uri_of(self, key: str) -> str:
-        """The URI of a key."""
         return f"{self.root_uri}/{key}"
 
     def read_bytes(self, key: str) -> bytes:
-        """The bytes stored at ``key`` (``FileNotFoundError`` if absent)."""
         return self.fs.cat_file(self.path(key))
 
     def read_to(self, key: str, dest: str) -> tuple[str, int]:
-        """Copy the object at ``key`` into the new local file ``dest``; (sha256, size) of what was copied,
-        hashed as it passed."""
-        digest, size = hashlib.sha256(), 0
+        """Copy the object at ``key`` into the new local file ``dest``; (sha256, size) of what was copied."""
         with self.fs.open(self.path(key), "rb", block_size=BLOCK_BYTES) as src, open(dest, "xb") as out:
-            while chunk := src.read(BLOCK_BYTES):
-                digest.update(chunk)
-                out.write(chunk)
-                size += len(chunk)
-        return digest.hexdigest(), size
+            return write_hashing(iter(lambda: src.read(BLOCK_BYTES), b""), out)
 
     def exists(self, key: str) -> bool:
         """True if an object (not a folder) is stored at ``key``."""
@@ -72,8 +63,8 @@ class Backend:
         absent_is_none(lambda: self.fs.rm(self.path(key), recursive=True))
 
     def discard_staging(self, staging: str) -> None:
-        """Delete what a failed directory write left at ``staging`` (best effort: logged, never raised; a
-        leftover stays invisible without its manifest)."""
+        """Delete what a failed directory write left at ``staging``; best effort, for a leftover stays
+        invisible without its manifest."""
         try:
             absent_is_none(lambda: self.fs.rm(staging, recursive=True))
         except Exception as exc:
@@ -81,7 +72,7 @@ class Backend:
 
     def move_tree(self, key: str, new_key: str) -> None:
         """Move ``key`` and everything below it to ``new_key``: copies, then the originals deleted, a
-        directory's manifest first (readers stop seeing it at once). ``LocalBackend`` renames instead."""
+        directory's manifest first (readers stop seeing it at once)."""
         src, dst = self.path(key), self.path(new_key)
         for path in self.fs.find(src):
             self.fs.copy(path, dst + path[len(src):])
@@ -94,7 +85,7 @@ def absent_is_none(call: Callable[[], T]) -> T | None:
     try:
         return call()
     except FileNotFoundError as exc:
-        if is_missing_bucket(exc):
+        if (client_error_code(exc) or ("",))[0] == "NoSuchBucket":
             raise
         return None
 
@@ -110,10 +101,8 @@ def write_hashing(chunks: Iterable[bytes], out) -> tuple[str, int]:
 
 
 def file_chunks(path: str | os.PathLike) -> Iterable[bytes]:
-    """A local file's bytes, ``BLOCK_BYTES`` at a time."""
     with open(path, "rb") as file:
-        while chunk := file.read(BLOCK_BYTES):
-            yield chunk
+        yield from iter(lambda: file.read(BLOCK_BYTES), b"")
 
 
 def hidden_sibling(path: str, tag: str) -> str:
@@ -129,12 +118,9 @@ def is_staging_name(name: str) -> bool:
 
 
 def list_local_files(root: Path) -> list[tuple[str, Path]]:
-    """(relative key, path) of every file below ``root``, sorted by key.
-
-    Refuses what could not be stored faithfully: unsafe names (``validate_key``), a top-level MANIFEST.json
-    (the store's own), symlinked folders (os.walk would skip them silently) and special files (reading a
-    FIFO would block forever).
-    """
+    """(key, path) of every file below ``root``, sorted. Refuses what could not be stored faithfully: unsafe
+    names, a top-level MANIFEST.json (the store's own), symlinked folders (os.walk would skip them silently)
+    and special files (reading a FIFO would block forever)."""
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a folder")
     files = []

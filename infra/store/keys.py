@@ -1,11 +1,8 @@
 """Names, keys and manifests of the artifact store.
 
-A *key* is a relative, '/'-separated path below the store's root. Every part of a key is checked against
-one conservative rule (``[A-Za-z0-9_][A-Za-z0-9._-]*``) so that nothing a caller passes can climb out of the
-root (``..``), become absolute (``/etc``), smuggle in another scheme (``s3://other``) or collide with the
-store's own hidden staging names (leading ``.``).
-
-Layout (docs/architecture.md §6)::
+A *key* is a relative, '/'-separated path below the store's root whose every part matches
+``[A-Za-z0-9_][A-Za-z0-9._-]*``: no key can climb out of the root (``..``), be absolute, carry another scheme
+(``s3://other``) or collide with the store's hidden staging names (leading ``.``). Layout::
 
     <root>/<run_id>/rollout-<n>/<task>/rank-<r>.safetensors
     <root>/<run_id>/checkpoints/<step>/...            (a directory with MANIFEST.json)
@@ -42,8 +39,8 @@ def shown(value: object) -> str:
 
 
 def validate_name(name: object, what: str = "name") -> str:
-    """Return ``name`` if it is one safe path part (1-255 characters of ``[A-Za-z0-9._-]``, not starting
-    with ``.`` or ``-``: never ``..``, a hidden or an option-like name), else raise ``ValueError`` saying why."""
+    """``name`` if it is one safe path part (1-255 of ``[A-Za-z0-9._-]``, not starting with ``.`` or ``-``),
+    else ``ValueError`` saying why."""
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(f"invalid {what} {shown(name)}: use 1-255 characters from [A-Za-z0-9._-], not starting "
                          "with '.' or '-' (no '/', '..', absolute paths or URI schemes)")
@@ -51,8 +48,7 @@ def validate_name(name: object, what: str = "name") -> str:
 
 
 def validate_key(key: object) -> str:
-    """Return ``key`` if every '/'-separated part passes ``validate_name``, else ``ValueError`` (so empty
-    parts, ``a//b`` or a leading or trailing ``/``, and absolute paths are refused)."""
+    """``key`` if every '/'-separated part passes ``validate_name`` (so no empty part), else ``ValueError``."""
     if not isinstance(key, str) or not key:
         raise ValueError(f"invalid key {shown(key)}: expected a non-empty relative path")
     for part in key.split("/"):
@@ -68,25 +64,20 @@ def _validate_index(value: object, what: str) -> int:
 
 
 def rollout_prefix(run_id: str, rollout: int) -> str:
-    """Key of one rollout's folder: ``<run_id>/rollout-<rollout>``."""
-    validate_name(run_id, "run id")
-    return f"{run_id}/rollout-{_validate_index(rollout, 'rollout')}"
+    return f"{validate_name(run_id, 'run id')}/rollout-{_validate_index(rollout, 'rollout')}"
 
 
 def rollout_key(run_id: str, rollout: int, task: str, rank: int) -> str:
-    """Key of one rank's tensors for one task of one rollout: ``<run_id>/rollout-<rollout>/<task>/rank-<rank>
-    .safetensors`` (``ValueError`` on an unsafe run id or task name, a negative or non-int rollout or rank)."""
+    """The key of one rank's tensors for one task of one rollout (``ValueError`` on an unsafe part)."""
     validate_name(task, "task name")
     return f"{rollout_prefix(run_id, rollout)}/{task}/rank-{_validate_index(rank, 'rank')}.safetensors"
 
 
 def checkpoints_prefix(run_id: str) -> str:
-    """Key of a run's checkpoint folder: ``<run_id>/checkpoints``."""
     return f"{validate_name(run_id, 'run id')}/{CHECKPOINTS_DIR}"
 
 
 def checkpoint_key(run_id: str, step: int) -> str:
-    """Key of the checkpoint directory of ``step``: ``<run_id>/checkpoints/<step>``."""
     return f"{checkpoints_prefix(run_id)}/{_validate_index(step, 'step')}"
 
 
@@ -95,13 +86,7 @@ def part_key(key: str, rank: int) -> str:
     return f"{key}-rank-{_validate_index(rank, 'rank')}"
 
 
-def quarantine_prefix(run_id: str) -> str:
-    """Key of the folder where a run's damaged checkpoints are moved: ``<run_id>/quarantine``."""
-    return f"{validate_name(run_id, 'run id')}/{QUARANTINE_DIR}"
-
-
 def lease_key(run_id: str) -> str:
-    """Key of a run's lease: ``<run_id>/lease.json``."""
     return f"{validate_name(run_id, 'run id')}/{LEASE_NAME}"
 
 
@@ -112,14 +97,13 @@ def parse_rollout_dir(name: str) -> int | None:
 
 
 def parse_step_dir(name: str, parts: bool = False) -> int | None:
-    """The step of a checkpoint folder named ``<step>`` (and, with ``parts``, of a rank's part of it,
-    ``<step>-rank-<r>``), or None (staging folders, strays)."""
+    """The step of a checkpoint folder ``<step>`` (with ``parts``, also of a rank's part ``<step>-rank-<r>``),
+    or None (staging folders, strays)."""
     match = _STEP_DIR_RE.fullmatch(name)
     return int(match.group(1)) if match and (parts or not match.group(2)) else None
 
 
 def is_sha256(value: object) -> bool:
-    """True for a lowercase hex sha256 digest."""
     return isinstance(value, str) and _SHA256_RE.fullmatch(value) is not None
 
 
@@ -135,14 +119,12 @@ class ManifestEntry:
 def encode_manifest(entries: list[ManifestEntry]) -> bytes:
     """Serialise entries deterministically (sorted by path), so equal trees give equal bytes."""
     files = [{"path": e.path, "nbytes": e.nbytes, "sha256": e.sha256} for e in sorted(entries, key=lambda e: e.path)]
-    document = {"format": MANIFEST_FORMAT, "files": files}
-    return json.dumps(document, sort_keys=True, indent=1).encode("utf-8")
+    return json.dumps({"format": MANIFEST_FORMAT, "files": files}, sort_keys=True, indent=1).encode("utf-8")
 
 
 def decode_manifest(data: bytes, uri: str) -> list[ManifestEntry]:
-    """Parse and check a manifest (format v2 or v1); raise ``ValueError`` naming ``uri`` if it is malformed.
-    Every path is validated as a key: a manifest decides where get_dir writes, so a hostile one must not be
-    able to point outside the destination folder."""
+    """Parse and check a manifest (v2 or v1); ``ValueError`` naming ``uri`` if it is malformed. Every path is
+    validated as a key: a hostile manifest must not make get_dir write outside its destination."""
     try:
         document = json.loads(data.decode("utf-8"))
         if document.get("format") not in MANIFEST_FORMATS:
@@ -159,9 +141,8 @@ def decode_manifest(data: bytes, uri: str) -> list[ManifestEntry]:
 def _decode_entry(item: dict) -> ManifestEntry:
     if set(item) != {"path", "nbytes", "sha256"}:
         raise ValueError(f"unexpected entry fields {sorted(item)}")
-    nbytes, sha256 = item["nbytes"], item["sha256"]
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"bad nbytes {shown(nbytes)}")
-    if not is_sha256(sha256):
-        raise ValueError(f"bad sha256 {shown(sha256)}")
-    return ManifestEntry(path=validate_key(item["path"]), nbytes=nbytes, sha256=sha256)
+    if isinstance(item["nbytes"], bool) or not isinstance(item["nbytes"], int) or item["nbytes"] < 0:
+        raise ValueError(f"bad nbytes {shown(item['nbytes'])}")
+    if not is_sha256(item["sha256"]):
+        raise ValueError(f"bad sha256 {shown(item['sha256'])}")
+    return ManifestEntry(validate_key(item["path"]), item["nbytes"], item["sha256"])

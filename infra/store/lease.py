@@ -1,20 +1,10 @@
-"""One run per run id: a lease on the run id, held in the artifact store.
+"""One run per run id: a lease on the run id, the small JSON object ``<run_id>/lease.json`` in the store.
 
-Two ``dmd2 distill --run-id X`` started at once would otherwise both train and both write X's checkpoints.
-The lease is one small JSON object, ``<run_id>/lease.json`` (a file: never taken for a rollout or checkpoint
-folder, never pruned): its format, holder, token, host and pid, and renewal and expiry times. It changes
-only through the store's conditional writes, so every step is a compare-and-swap on the version just read:
-
-- **acquire**: create it if absent; else, if it has expired, replace *the version read* (of two takers of
-  one stale lease exactly one wins); else raise ``LeaseHeldError`` at once;
-- **renew**: replace our own version with a later expiry; if anyone else's lease is there now (ours
-  expired and was taken over), ``LeaseLostError``. A background thread renews every ``ttl_s / 3`` and
-  records a loss, which ``check()`` raises in the caller's thread (the distill flow, between rollouts);
-- **release**: delete it only if it still holds our token.
-
-Clocks: expiry is judged by the acquirer's clock against the ``expires_at`` the holder wrote with its own,
-so hosts' clocks must agree to well within the ttl (NTP keeps skew to milliseconds; the default ttl is
-60 s, renewed every 20 s).
+It changes only through the store's conditional writes, each a compare-and-swap on the version just read:
+acquire creates it if absent, else replaces it only if it is stale (of two takers of one stale lease exactly
+one wins), else raises ``LeaseHeldError`` at once; renew replaces our own version (``LeaseLostError`` if it
+was taken over meanwhile); release deletes it only if it still holds our token. Expiry is judged by the
+acquirer's clock against the holder's ``expires_at``, so hosts' clocks must agree to well within the ttl.
 """
 
 from __future__ import annotations
@@ -27,7 +17,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, astuple, dataclass, replace
 from datetime import datetime, timezone
 
 from infra.store.artifacts import ArtifactStore
@@ -50,15 +40,12 @@ class LeaseHeldError(StoreError):
         self.renewed_at, self.expires_at = renewed_at, expires_at
         now = time.time()
         super().__init__(
-            f"run id {run_id!r} is in use: its lease {uri} is held by {holder}, last renewed "
-            f"{_when(renewed_at, now)}, expiring {_when(expires_at, now)} unless renewed. Wait "
-            "for that run to finish (if it died, its lease expires by itself), or use another "
-            "run id."
-        )
+            f"run id {run_id!r} is in use: its lease {uri} is held by {holder}, last renewed {_when(renewed_at, now)}, "
+            f"expiring {_when(expires_at, now)} unless renewed. Wait for that run to finish (if it died, its lease "
+            "expires by itself), or use another run id.")
 
-    def __reduce__(self) -> tuple:
-        args = (self.run_id, self.uri, self.holder, self.renewed_at, self.expires_at)
-        return (type(self), args)
+    def __reduce__(self) -> tuple:  # Prefect may ship it across processes
+        return type(self), (self.run_id, self.uri, self.holder, self.renewed_at, self.expires_at)
 
 
 class LeaseLostError(StoreError):
@@ -67,7 +54,7 @@ class LeaseLostError(StoreError):
 
 @dataclass(frozen=True)
 class LeaseRecord:
-    """The stored lease: who holds it, the holder's token, and its renewal and expiry times."""
+    """The stored lease: its holder, the holder's token, renewal and expiry times, and where it runs."""
 
     holder: str
     token: str
@@ -83,8 +70,8 @@ class LeaseRecord:
         return cls(holder, uuid.uuid4().hex, now, now + ttl_s, socket.gethostname(), os.getpid())
 
     def is_live(self) -> bool:
-        """Unexpired, and not held by a process of this host that is gone (a run killed a moment ago
-        need not block its rerun for a whole ttl; a holder on another host is trusted until expiry)."""
+        """Unexpired, and not held by a process of this host that is gone (a run killed a moment ago need not
+        block its rerun for a whole ttl; a holder on another host is trusted until expiry)."""
         if self.expires_at <= time.time():
             return False
         if self.host != socket.gethostname() or self.pid <= 0 or self.pid == os.getpid():
@@ -94,17 +81,15 @@ class LeaseRecord:
         except ProcessLookupError:
             return False
         except PermissionError:
-            return True  # it exists, owned by someone else
+            pass  # it exists, owned by someone else
         return True
 
     def renewed(self, ttl_s: float) -> LeaseRecord:
-        """The same holder and token, renewed now for ``ttl_s``."""
         now = time.time()
         return replace(self, renewed_at=now, expires_at=now + ttl_s)
 
     def encode(self) -> bytes:
-        document = {"format": LEASE_FORMAT, **asdict(self)}
-        return json.dumps(document, sort_keys=True).encode("utf-8")
+        return json.dumps({"format": LEASE_FORMAT, **asdict(self)}, sort_keys=True).encode("utf-8")
 
     @classmethod
     def decode(cls, data: bytes, uri: str) -> LeaseRecord:
@@ -114,45 +99,34 @@ class LeaseRecord:
             if document.pop("format", None) != LEASE_FORMAT:
                 raise ValueError("unknown format")
             record = cls(**document)  # TypeError for missing or extra fields
-            if not all(isinstance(text, str) for text in (record.holder, record.token, record.host)):
-                raise ValueError("holder, token and host must be strings")
-            if any(isinstance(n, bool) for n in (record.pid, record.renewed_at, record.expires_at)) or not (
-                    isinstance(record.pid, int) and all(isinstance(t, (int, float)) for t in
-                                                        (record.renewed_at, record.expires_at))):
-                raise ValueError("pid must be an integer, renewed_at and expires_at numbers")
+            types = (str, str, (int, float), (int, float), str, int)  # of the fields, in order
+            if any(isinstance(v, bool) or not isinstance(v, t) for v, t in zip(astuple(record), types)):
+                raise ValueError("holder, token and host must be strings, pid an integer, the times numbers")
         except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as exc:
             raise StoreError(f"{uri} is not a lease this store wrote ({exc}); if no run uses this run id, "
                              "delete it") from exc
         return record
 
+    def held_error(self, run_id: str, uri: str) -> LeaseHeldError:
+        return LeaseHeldError(run_id, uri, self.holder, self.renewed_at, self.expires_at)
+
 
 class RunLease:
-    """A held lease on a run id; a context manager that releases it on exit.
+    """A held lease on a run id (from ``RunLease.acquire``); a context manager that releases it on exit.
+    Thread-safe: the background renewal, ``check`` and ``release`` may run in different threads."""
 
-    Get one with ``RunLease.acquire``. Thread-safe: the background renewal, ``check`` and
-    ``release`` may run in different threads.
-    """
-
-    def __init__(self, store: ArtifactStore, run_id: str, record: LeaseRecord, version: str,
-                 ttl_s: float, renew_every_s: float):
-        self.store, self.run_id = store, run_id
-        self.ttl_s, self.renew_every_s = ttl_s, renew_every_s
+    def __init__(self, store: ArtifactStore, run_id: str, record: LeaseRecord, version: str, ttl_s: float,
+                 renew_every_s: float):
+        self.store, self.run_id, self.ttl_s, self.renew_every_s = store, run_id, ttl_s, renew_every_s
         self.key = lease_key(run_id)
         self.uri = store.uri(self.key)
+        self.holder, self.token = record.holder, record.token
         self._record, self._version = record, version
         self._lock = threading.Lock()
         self._lost: str | None = None  # the LeaseLostError message, once the loss is known
         self._released = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    @property
-    def holder(self) -> str:
-        return self._record.holder
-
-    @property
-    def token(self) -> str:
-        return self._record.token
 
     @property
     def expires_at(self) -> float:
@@ -164,29 +138,20 @@ class RunLease:
 
     @staticmethod
     def check_free(store: ArtifactStore, run_id: str) -> None:
-        """``LeaseHeldError`` if someone holds an unexpired lease on ``run_id`` now; takes nothing.
-
-        For a refusal before anything starts (the CLI asks before Prefect and Ray); `acquire` decides.
-        """
+        """``LeaseHeldError`` if someone holds a live lease on ``run_id`` now; takes nothing (the CLI asks
+        before Prefect and Ray start; ``acquire`` decides)."""
         key = lease_key(run_id)
         stored = store.read_versioned(key)
-        if stored is not None:
-            existing = LeaseRecord.decode(stored[0], store.uri(key))
-            if existing.is_live():
-                raise LeaseHeldError(run_id, store.uri(key), existing.holder, existing.renewed_at,
-                                     existing.expires_at)
+        if stored is not None and (existing := LeaseRecord.decode(stored[0], store.uri(key))).is_live():
+            raise existing.held_error(run_id, store.uri(key))
 
     @classmethod
     def acquire(cls, store: ArtifactStore, run_id: str, holder: str, ttl_s: float = 60.0,
                 renew_every_s: float | None = None, *, background: bool = True) -> RunLease:
-        """Lease ``run_id`` to ``holder`` for ``ttl_s`` seconds, renewed every ``renew_every_s``
-        (default ``ttl_s / 3``) by a daemon thread while held; ``background=False`` leaves the
-        renewing to the caller (``renew``, or ``check`` once a third of the ttl is left).
-
-        ``holder`` says who holds it (host, pid, Prefect flow run), for the error a second
-        acquirer gets. Raises ``LeaseHeldError`` at once, without waiting, if someone else holds
-        an unexpired lease; an expired one is taken over (and a warning logged).
-        """
+        """Lease ``run_id`` to ``holder`` (who holds it: host, pid, flow run; the refusal of a second acquirer
+        names it) for ``ttl_s``, renewed every ``renew_every_s`` (default ``ttl_s / 3``) by a daemon thread, or
+        by the caller (``renew``, ``check``) with ``background=False``. ``LeaseHeldError`` at once if someone
+        else holds a live lease; a stale one is taken over (with a warning)."""
         renew_every_s = ttl_s / 3 if renew_every_s is None else renew_every_s
         _check_arguments(holder, ttl_s, renew_every_s)
         key, ours = lease_key(run_id), LeaseRecord.new(holder, ttl_s)
@@ -202,9 +167,7 @@ class RunLease:
                 if existing.token == ours.token:  # our write landed, but its answer was lost
                     record, version = existing, stored[1]
                 elif existing.is_live():
-                    raise LeaseHeldError(
-                        run_id, uri, existing.holder, existing.renewed_at, existing.expires_at
-                    )
+                    raise existing.held_error(run_id, uri)
                 else:
                     record = record.renewed(ttl_s)
                     version = store.replace_if(key, record.encode(), stored[1])
@@ -214,13 +177,15 @@ class RunLease:
                                    uri, existing.holder, _when(existing.expires_at, time.time()))
             lease = cls(store, run_id, record, version, ttl_s, renew_every_s)
             if background:
-                lease._start_renewing()
+                lease._thread = threading.Thread(target=lease._renew_until_released, name=f"lease-{run_id}",
+                                                 daemon=True)
+                lease._thread.start()
             return lease
         raise StoreError(f"the lease {uri} kept changing while it was being acquired; try again")
 
     def renew(self) -> None:
-        """Extend the lease to ``ttl_s`` from now. ``LeaseLostError`` if it is not ours any more
-        (then it stays lost); store faults propagate and leave it held as before."""
+        """Extend the lease to ``ttl_s`` from now. ``LeaseLostError`` if it is not ours any more (then it stays
+        lost); store faults propagate and leave it held as before."""
         with self._lock:
             self._raise_if_done()
             record = self._record.renewed(self.ttl_s)
@@ -229,8 +194,7 @@ class RunLease:
                 if version is not None:
                     self._record, self._version = record, version
                     return
-                stored = self.store.read_versioned(self.key)
-                current = None if stored is None else LeaseRecord.decode(stored[0], self.uri)
+                stored, current = self._read()
                 if current is None or current.token != self.token:
                     self._lost = self._loss_message(current)
                     raise LeaseLostError(self._lost)
@@ -238,9 +202,8 @@ class RunLease:
             raise StoreError(f"the lease {self.uri} kept changing while it was being renewed")
 
     def check(self) -> None:
-        """Raise ``LeaseLostError`` if the lease was lost. Makes no store call while the last
-        renewal is fresh; once less than a third of the ttl is left (the renewals fell behind),
-        renews here, so that it never vouches for a lease that has expired."""
+        """``LeaseLostError`` if the lease was lost. No store call while the last renewal is fresh; once less
+        than a third of the ttl is left (renewals fell behind) it renews, never vouching for an expired lease."""
         with self._lock:
             self._raise_if_done()
             stale = self._record.expires_at - time.time() < self.ttl_s / 3
@@ -258,8 +221,7 @@ class RunLease:
             self._released = True
             if self._lost is not None:
                 return
-            stored = self.store.read_versioned(self.key)
-            current = None if stored is None else LeaseRecord.decode(stored[0], self.uri)
+            stored, current = self._read()
             if current is None or current.token != self.token:
                 logger.warning("not deleting %s: %s", self.uri, self._loss_message(current))
             elif not self.store.delete_if(self.key, stored[1]):
@@ -272,8 +234,12 @@ class RunLease:
         try:
             self.release()
         except Exception as exc:  # a lease left behind only delays the next run until it expires
-            logger.warning("could not release %s (%s); it expires by itself %s", self.uri,
-                           describe(exc), _when(self.expires_at, time.time()))
+            logger.warning("could not release %s (%s); it expires by itself %s", self.uri, describe(exc),
+                           _when(self.expires_at, time.time()))
+
+    def _read(self) -> tuple[tuple[bytes, str] | None, LeaseRecord | None]:
+        stored = self.store.read_versioned(self.key)
+        return stored, None if stored is None else LeaseRecord.decode(stored[0], self.uri)
 
     def _raise_if_done(self) -> None:
         if self._lost is not None:
@@ -283,22 +249,12 @@ class RunLease:
 
     def _loss_message(self, current: LeaseRecord | None) -> str:
         now = time.time()
-        who = (
-            "it was deleted" if current is None
-            else f"{current.holder} holds it (renewed {_when(current.renewed_at, now)})"
-        )
-        return (
-            f"lost the lease {self.uri} on run id {self.run_id!r}: {who}. Ours expired "
-            f"{_when(self._record.expires_at, now)} without a renewal (was this process stopped, "
-            f"or cut off from the store, for longer than its ttl of {self.ttl_s:g} s?). Stop this "
-            "run: another may be training under this run id."
-        )
-
-    def _start_renewing(self) -> None:
-        self._thread = threading.Thread(
-            target=self._renew_until_released, name=f"lease-{self.run_id}", daemon=True
-        )
-        self._thread.start()
+        who = ("it was deleted" if current is None
+               else f"{current.holder} holds it (renewed {_when(current.renewed_at, now)})")
+        return (f"lost the lease {self.uri} on run id {self.run_id!r}: {who}. Ours expired "
+                f"{_when(self._record.expires_at, now)} without a renewal (was this process stopped, or cut off from "
+                f"the store, for longer than its ttl of {self.ttl_s:g} s?). Stop this run: another may be training "
+                "under this run id.")
 
     def _renew_until_released(self) -> None:
         while not self._stop.wait(self.renew_every_s):
@@ -310,28 +266,23 @@ class RunLease:
             except Exception as exc:  # a store fault: the next round tries again
                 if self._stop.is_set():
                     return
-                logger.warning("could not renew %s (%s); trying again in %.3g s", self.uri,
-                               describe(exc), self.renew_every_s)
+                logger.warning("could not renew %s (%s); trying again in %.3g s", self.uri, describe(exc),
+                               self.renew_every_s)
 
 
 def _check_arguments(holder: object, ttl_s: float, renew_every_s: float) -> None:
     if not isinstance(holder, str) or not holder.strip() or len(holder) > _MAX_HOLDER_CHARS:
-        raise ValueError(
-            f"the lease holder must describe who holds it (host, pid, flow run) in 1-"
-            f"{_MAX_HOLDER_CHARS} characters, got {shown(holder)}"
-        )
+        raise ValueError(f"the lease holder must describe who holds it (host, pid, flow run) in 1-"
+                         f"{_MAX_HOLDER_CHARS} characters, got {shown(holder)}")
     if not (isinstance(ttl_s, (int, float)) and math.isfinite(ttl_s) and ttl_s > 0):
         raise ValueError(f"ttl_s must be a finite number of seconds > 0, got {shown(ttl_s)}")
     if not (isinstance(renew_every_s, (int, float)) and 0 < renew_every_s < ttl_s):
-        raise ValueError(
-            f"renew_every_s must be > 0 and below ttl_s ({ttl_s:g} s), e.g. ttl_s / 3; "
-            f"got {shown(renew_every_s)}"
-        )
+        raise ValueError(f"renew_every_s must be > 0 and below ttl_s ({ttl_s:g} s), e.g. ttl_s / 3; "
+                         f"got {shown(renew_every_s)}")
 
 
 def _when(t: float, now: float) -> str:
     """An instant for a message: UTC time and how far it is from now."""
     stamp = datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
-    delta = t - now
-    relative = f"{delta:.1f} s from now" if delta >= 0 else f"{-delta:.1f} s ago"
+    relative = f"{t - now:.1f} s from now" if t >= now else f"{now - t:.1f} s ago"
     return f"at {stamp} ({relative})"

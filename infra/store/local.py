@@ -1,17 +1,15 @@
 """The ``file://`` backend: a folder on a local or shared filesystem (fsspec's ``LocalFileSystem``).
 
-Visible only when complete: an object is written to a hidden temporary file in its final folder, created
-with ``open(path, "xb")`` so that it gets the user's umask like any other file (``tempfile.mkstemp`` would
-make it 0600), fsynced, and renamed into place; the rename is fsynced too, so a machine crash cannot leave a
-torn object visible. Only writes a caller marks not durable (objects made again after a crash) skip the
-fsyncs. A directory is assembled in a hidden staging folder next to its place, manifest last, and renamed
-into place in one step.
+Visible only when complete: an object is written to a hidden file in its final folder (``open(path, "xb")``,
+so it gets the user's umask, where ``tempfile.mkstemp`` would make it 0600), fsynced, and renamed into place,
+the rename fsynced too, so a machine crash cannot leave a torn object visible (writes a caller marks not
+durable skip the fsyncs). A directory is assembled in a hidden staging folder and renamed into place at once.
 
 Conditional writes (the run lease): create-if-absent hard-links a fully written hidden file into place
-(``link(2)`` refuses an existing name, so one creator wins); compare-and-swap and conditional delete hold
-an exclusive ``flock`` on a hidden lock file next to the object around read-compare-replace. That needs a
-filesystem whose ``flock`` excludes every client: a local disk, or NFSv4 (not with the ``local_lock=flock``
-or ``nolock`` mount options). An object's version is the sha256 of its bytes.
+(``link(2)`` refuses an existing name, so one creator wins); compare-and-swap and conditional delete hold an
+exclusive ``flock`` on a hidden lock file next to the object around read-compare-replace, which needs a
+filesystem whose ``flock`` excludes every client: a local disk, or NFSv4 (without the ``local_lock=flock`` or
+``nolock`` mount options). An object's version is the sha256 of its bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from fsspec.implementations.local import LocalFileSystem
 
@@ -46,8 +44,7 @@ class LocalBackend(Backend):
 
     def write(self, path: str, chunks: Iterable[bytes], durable: bool = True) -> tuple[str, int]:
         """Store the concatenation of ``chunks`` at ``path`` atomically; (sha256, size), hashed meanwhile."""
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         temp = hidden_sibling(path, "tmp")
         try:
             with open(temp, "xb") as file:
@@ -57,10 +54,11 @@ class LocalBackend(Backend):
                     os.fsync(file.fileno())
             os.replace(temp, path)
         except BaseException:
-            _remove_quietly(temp)
+            with suppress(FileNotFoundError):
+                os.remove(temp)
             raise
         if durable:
-            _fsync_dir(folder)
+            _fsync_dir(os.path.dirname(path))
         return result
 
     def staging_dir(self, key: str) -> str:
@@ -89,8 +87,8 @@ class LocalBackend(Backend):
             _fsync_dir(os.path.dirname(path))
 
     def delete_stale_staging(self, key: str, max_age_s: float) -> list[str]:
-        """Delete what killed writers left below ``key`` (hidden staging in which nothing changed for
-        ``max_age_s`` seconds; a live writer keeps changing its own); return the paths deleted."""
+        """Delete the hidden staging below ``key`` in which nothing changed for ``max_age_s`` (a live writer
+        keeps changing its own); return the paths deleted."""
         cutoff, removed = time.time() - max_age_s, []
         for folder, dirnames, filenames in os.walk(self.path(key)):
             staging = [name for name in [*dirnames, *filenames] if is_staging_name(name)]
@@ -104,10 +102,7 @@ class LocalBackend(Backend):
                     continue  # its writer finished or cleaned up meanwhile
         return removed
 
-    # -- conditional writes of small objects ---------------------------------------------------
-
     def create_if_absent(self, key: str, data: bytes) -> str | None:
-        """Store ``data`` at ``key`` only if nothing is there; its version, or None if something was."""
         path = self.path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         temp = hidden_sibling(path, "tmp")
@@ -119,51 +114,43 @@ class LocalBackend(Backend):
         except FileExistsError:
             return None
         finally:
-            _remove_quietly(temp)
+            with suppress(FileNotFoundError):
+                os.remove(temp)
         _fsync_dir(os.path.dirname(path))
         return sha256_hex(data)
 
     def read_versioned(self, key: str) -> tuple[bytes, str] | None:
-        """(bytes, version) of the object at ``key``, or None if there is none."""
         data = _read_or_none(self.path(key))
         return None if data is None else (data, sha256_hex(data))
 
     def replace_if(self, key: str, data: bytes, version: str) -> str | None:
-        """Replace the object at ``key`` with ``data`` if it is still at ``version``; the new version, or
-        None if it changed or is gone (then nothing is written)."""
         path = self.path(key)
-        if not os.path.isfile(path):  # absent (its folder too, perhaps): nothing to lock
-            return None
-        with _exclusive_lock(path):
-            current = _read_or_none(path)
-            if current is None or sha256_hex(current) != version:
-                return None
-            return self.write(path, [data])[0]
+        with _locked_at(path, version) as unchanged:
+            return self.write(path, [data])[0] if unchanged else None
 
     def delete_if(self, key: str, version: str) -> bool:
-        """Delete the object at ``key`` if it is still at ``version``; True if it was deleted."""
         path = self.path(key)
-        if not os.path.isfile(path):
-            return False
-        with _exclusive_lock(path):
-            current = _read_or_none(path)
-            if current is None or sha256_hex(current) != version:
-                return False
-            os.remove(path)
-        _fsync_dir(os.path.dirname(path))
-        return True
+        with _locked_at(path, version) as unchanged:
+            if unchanged:
+                os.remove(path)
+                _fsync_dir(os.path.dirname(path))
+        return unchanged
 
 
 @contextmanager
-def _exclusive_lock(path: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``.<name>.lock`` next to ``path``. The lock file is never deleted:
-    removing it could let two processes lock two different files of one name; the kernel drops the lock
-    of a killed process, so none is ever stale."""
+def _locked_at(path: str, version: str) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on ``.<name>.lock`` next to ``path``; yield whether the object is still at
+    ``version`` (False, with no lock taken, if it is absent). The lock file is never deleted: removing it could
+    let two processes lock two different files of one name; the kernel drops a killed process's lock."""
+    if not os.path.isfile(path):  # absent (its folder too, perhaps): nothing to lock
+        yield False
+        return
     folder, name = os.path.split(path)
     fd = os.open(os.path.join(folder, f".{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        current = _read_or_none(path)
+        yield current is not None and sha256_hex(current) == version
     finally:
         os.close(fd)  # closing the only descriptor releases the lock
 
@@ -192,10 +179,3 @@ def _read_or_none(path: str) -> bytes | None:
             return file.read()
     except FileNotFoundError:
         return None
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass

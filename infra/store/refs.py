@@ -14,14 +14,9 @@ KINDS = ("tensors", "json", "dir")
 
 @dataclass(frozen=True)
 class ArtifactRef:
-    """A persisted artifact: where it is, what its bytes hash to, how big, what kind.
-
-    ``sha256`` is the plain sha256 of the stored object, as ``sha256sum`` prints it (for ``kind ==
-    "dir"``: of its MANIFEST.json, which lists every file's sha256; a ref of an older store may hold its
-    piece-wise digest, ``infra.store.digest``); ``nbytes`` is the object's size (for a directory: the sum
-    of its files). Plain str/int fields, so Prefect can persist it, and ``to_json``/``from_json``
-    (or ``to_dict``/``from_dict``) round-trip it exactly.
-    """
+    """A stored artifact: its URI, the plain sha256 of its bytes (for a ``dir``: of its MANIFEST.json, which
+    lists each file's), its size (a directory's: the sum of its files') and kind. Plain fields, so Prefect can
+    persist it; ``to_dict``/``from_dict`` and ``to_json``/``from_json`` round-trip it exactly."""
 
     uri: str
     sha256: str
@@ -39,7 +34,6 @@ class ArtifactRef:
             raise ValueError(f"ArtifactRef.kind must be one of {KINDS}, got {self.kind!r}")
 
     def to_dict(self) -> dict[str, str | int]:
-        """The four fields as a plain dict."""
         return asdict(self)
 
     @classmethod
@@ -51,12 +45,10 @@ class ArtifactRef:
         return cls(**data)
 
     def to_json(self) -> str:
-        """A JSON object with the four fields."""
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> ArtifactRef:
-        """Inverse of ``to_json``."""
         return cls.from_dict(json.loads(text))
 
 

@@ -1,22 +1,17 @@
 """The ``s3://`` backend, on s3fs.
 
-Visible only when complete: S3 makes an object visible when its PUT (or multipart upload) completes, so
-each object is written in one upload; a directory's files go to their final keys and its manifest last, so
-it is visible when the manifest is. Endpoint, region and credentials come from botocore's own resolution
-(AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/...);
-this module never reads, keeps or prints a credential.
+Visible only when complete: S3 shows an object once its PUT (or multipart upload) completes, so each object
+is one upload; a directory's files go to their final keys and its manifest last. Endpoint, region and
+credentials are botocore's own resolution; this module never reads, keeps or prints a credential.
 
-Retries are botocore's alone: its ``standard`` or ``adaptive`` mode with the store's ``max_attempts``;
-s3fs's own retry loop is set to one try, so that the two never multiply. botocore's default flexible
-checksums stay on (they guard the transport): every upload and part carries a CRC that S3 verifies, and a
-whole-object download is checked against the CRC S3 returns with it; the sha256 of every read guards the
-bytes at rest.
+Retries are botocore's alone (``standard`` or ``adaptive`` mode, the store's ``max_attempts``; s3fs's own loop
+is set to one try, so the two never multiply). Its flexible checksums guard the transport (S3 verifies every
+upload's and part's CRC, botocore a whole-object download's); the sha256 of every read guards the bytes at rest.
 
-Conditional writes (the run lease) are S3's own: PutObject with ``If-None-Match: *`` creates only if
-absent, PutObject and DeleteObject with ``If-Match: <etag>`` only touch the version that was read. They go
-through the botocore client s3fs holds, since s3fs's file API does not pass the conditions. A failed
-condition (412 PreconditionFailed, 409 ConditionalRequestConflict, or 404 for If-Match on a deleted
-object) is an answer, not an error. An object's version is its ETag.
+Conditional writes (the run lease) are S3's own, through the botocore client s3fs holds (its file API drops
+the conditions): PutObject with ``If-None-Match: *`` creates only if absent, PutObject and DeleteObject with
+``If-Match: <etag>`` touch only the version read; a failed condition is an answer, not an error. An object's
+version is its ETag.
 """
 
 from __future__ import annotations
@@ -36,12 +31,12 @@ logger = logging.getLogger(__name__)
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 # Multipart parts must be >= 5 MiB; larger blocks mean fewer requests for big checkpoint files.
 _UPLOAD_BLOCK_BYTES = 64 * 2**20
-# What S3 answers when a conditional request's condition does not hold: the object exists, changed, or is gone.
+# S3's answers when a condition does not hold (the object exists, changed, or is gone), besides HTTP 412.
 _CONDITION_FAILED = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"})
 
 
 def validate_bucket(bucket: str) -> str:
-    """Return ``bucket`` if it is a valid S3 bucket name, else raise ``ValueError``."""
+    """``bucket`` if it is a valid S3 bucket name, else ``ValueError``."""
     if not _BUCKET_RE.fullmatch(bucket):
         raise ValueError(f"invalid S3 bucket name {bucket[:64]!r}: 3-63 of [a-z0-9.-]")
     return bucket
@@ -74,8 +69,8 @@ class S3Backend(Backend):
             return "the configured endpoint"
 
     def write(self, path: str, chunks: Iterable[bytes], durable: bool = True) -> tuple[str, int]:
-        """Upload the concatenation of ``chunks`` as the object at ``path`` (durable once complete); its
-        (sha256, size), hashed meanwhile. Nothing appears unless the upload completes."""
+        """Upload the concatenation of ``chunks`` as the object at ``path``, which appears only if the upload
+        completes; (sha256, size), hashed meanwhile."""
         upload = self.fs.open(path, "wb", block_size=_UPLOAD_BLOCK_BYTES)
         try:
             result = write_hashing(chunks, upload)
@@ -90,8 +85,8 @@ class S3Backend(Backend):
         return result
 
     def staging_dir(self, key: str) -> str:
-        """Where a directory at ``key`` is written: its own place, emptied of what a killed writer left
-        there (invisible without a manifest), so that leftovers never mix into the new directory."""
+        """A directory is written at its own place, first emptied of what a killed writer left there (invisible
+        without a manifest), so that leftovers never mix into the new directory."""
         self.delete_tree(key)
         return self.path(key)
 
@@ -103,25 +98,26 @@ class S3Backend(Backend):
         expire), and an interrupted directory is emptied when its key is written again."""
         return []
 
-    # -- conditional writes of small objects ---------------------------------------------------
-
     def create_if_absent(self, key: str, data: bytes) -> str | None:
-        """Store ``data`` at ``key`` only if nothing is there; its ETag, or None if something was."""
-        return self._put_if(key, data, IfNoneMatch="*")
+        response = self._if("put_object", key, Body=data, IfNoneMatch="*")
+        return None if response is None else response["ETag"]
 
     def replace_if(self, key: str, data: bytes, version: str) -> str | None:
-        """Replace the object at ``key`` if its ETag is still ``version``; the new ETag, or None."""
-        return self._put_if(key, data, IfMatch=version)
+        response = self._if("put_object", key, Body=data, IfMatch=version)
+        return None if response is None else response["ETag"]
 
-    def _put_if(self, key: str, data: bytes, **condition: str) -> str | None:
+    def delete_if(self, key: str, version: str) -> bool:
+        return self._if("delete_object", key, IfMatch=version) is not None
+
+    def _if(self, method: str, key: str, **arguments) -> dict | None:
+        """S3's response to a conditional request, or None if its condition did not hold."""
         try:
-            response = self.fs.call_s3("put_object", Bucket=self.bucket, Key=self._object_key(key), Body=data,
-                                       **condition)
+            return self.fs.call_s3(method, Bucket=self.bucket, Key=self._object_key(key), **arguments)
         except Exception as exc:
-            if _condition_failed(exc):
+            coded = client_error_code(exc)
+            if coded is not None and (coded[0] in _CONDITION_FAILED or coded[1] == 412):
                 return None
             raise
-        return response["ETag"]
 
     def read_versioned(self, key: str) -> tuple[bytes, str] | None:
         """(bytes, ETag) of the object at ``key``, from one GET; None if there is none."""
@@ -134,20 +130,5 @@ class S3Backend(Backend):
         finally:
             response["Body"].close()
 
-    def delete_if(self, key: str, version: str) -> bool:
-        """Delete the object at ``key`` if its ETag is still ``version``; True if it was."""
-        try:
-            self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self._object_key(key), IfMatch=version)
-        except Exception as exc:
-            if _condition_failed(exc):
-                return False
-            raise
-        return True
-
     def _object_key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
-
-
-def _condition_failed(exc: BaseException) -> bool:
-    coded = client_error_code(exc)
-    return coded is not None and (coded[0] in _CONDITION_FAILED or coded[1] == 412)
