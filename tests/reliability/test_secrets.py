@@ -110,10 +110,20 @@ def store_records(s3_store: str, outputs: Path) -> dict[str, str]:
     return records
 
 
+@pytest.fixture
+def ray_of_the_run():
+    """The run starts its own Ray, whose workers inherit this test's planted credentials (the session's Ray
+    holds the session's); shut down again afterwards, so that the next module starts the session's anew."""
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
+    ray.shutdown()
+
+
 @pytest.mark.slow  # a tiny distill through the CLI, and an MLflow server to start: ~1-2 minutes
 def test_planted_secrets_appear_in_nothing_the_run_records(
         mlflow_server, prefect_server, s3_server, s3_store,  # noqa: F811 (mlflow_server: the imported fixture)
-        tiny_teacher_dir, shared_ray, tmp_path, monkeypatch, capfd):
+        tiny_teacher_dir, ray_of_the_run, tmp_path, monkeypatch, capfd):
     restore_after_test(monkeypatch, *MLFLOW_SETTINGS)
     monkeypatch.chdir(tmp_path)
     key_id, aws_secret = moto_credentials()
