@@ -1,6 +1,6 @@
 """Fixtures shared by the end-to-end tests (tests/flows, tests/reliability): an in-process Prefect
-server, moto's S3 server, a tiny teacher, one local Ray for the session (`shared_ray`), started after moto's settings are in the environment so
-that its workers inherit them."""
+server, moto's S3 server, a tiny teacher, one local Ray for the session (`shared_ray`: started after moto's
+settings are in the environment, so that its workers inherit them) and one uninterrupted tiny run (`tiny_run`)."""
 
 from pathlib import Path
 
