@@ -1,18 +1,17 @@
 """The artifact store: where tasks put tensors, JSON and directories, and the references to them.
 
-Tasks hand each other ``ArtifactRef``s (``refs``), never tensors. ``ArtifactStore`` (``artifacts``) writes
+Tasks hand each other ``ArtifactRef``s (``keys``), never tensors. ``ArtifactStore`` (``artifacts``) writes
 atomically (``local``, ``s3``), checks every read against the plain sha256 it wrote (``digest``), parses only
-safetensors and JSON below validated keys (``keys``), leaves retries to botocore and turns what still fails into
-errors naming the settings to check (``faults``), and quarantines a damaged checkpoint rather than delete it.
+safetensors and JSON below validated keys, leaves retries to botocore and turns what still fails into errors
+naming the settings to check (``faults``), and quarantines a damaged checkpoint rather than delete it.
 ``RunLease`` (``lease``) keeps one run per run id.
 """
 
 from infra.store.artifacts import ArtifactStore
 from infra.store.faults import (ArtifactExistsError, IntegrityError, StoreAccessError, StoreError, StoreNotFoundError,
                                 StoreUnavailableError, StoreWriteError)
-from infra.store.keys import validate_key, validate_name
+from infra.store.keys import ArtifactRef, Checkpoint, validate_key, validate_name
 from infra.store.lease import LeaseHeldError, LeaseLostError, RunLease
-from infra.store.refs import ArtifactRef, Checkpoint
 
 __all__ = [
     "ArtifactExistsError", "ArtifactRef", "ArtifactStore", "Checkpoint", "IntegrityError", "LeaseHeldError",

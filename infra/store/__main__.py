@@ -1,5 +1,5 @@
-"""`python -m infra.store FILE...`: the digest the store keeps for local files, printed as ``sha256sum``
-prints it (the digest, two spaces, the path): the two agree."""
+"""`python -m infra.store FILE...`: the sha256 the store keeps for local files, printed as ``sha256sum`` prints
+it (the digest, two spaces, the path)."""
 
 import argparse
 
@@ -7,10 +7,8 @@ from infra.store.digest import file_sha256
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m infra.store",
-        description="Print the sha256 of local files as the store keeps it (ArtifactRef.sha256, MANIFEST.json "
-        "entries) and as sha256sum prints it.")
+    parser = argparse.ArgumentParser(prog="python -m infra.store", description="Print the sha256 of local files "
+                                     "as the store keeps it (ArtifactRef.sha256, MANIFEST.json entries).")
     parser.add_argument("files", nargs="+", metavar="FILE", help="files to hash")
     for path in parser.parse_args(argv).files:
         try:

@@ -20,9 +20,9 @@ from infra.store import keys as store_keys
 from infra.store.digest import file_sha256, legacy_sha256, sha256_hex, verify
 from infra.store.faults import ArtifactExistsError, IntegrityError, StoreError
 from infra.store.io import absent_is_none, file_chunks, hidden_sibling, list_local_files
-from infra.store.keys import CHECKPOINTS_DIR, MANIFEST_NAME, QUARANTINE_DIR, ManifestEntry, validate_key, validate_name
+from infra.store.keys import (CHECKPOINTS_DIR, MANIFEST_NAME, QUARANTINE_DIR, ArtifactRef, Checkpoint, ManifestEntry,
+                              checked_int, validate_key, validate_name)
 from infra.store.local import LocalBackend
-from infra.store.refs import ArtifactRef, Checkpoint
 from infra.store.s3 import S3Backend
 
 logger = logging.getLogger(__name__)
@@ -65,9 +65,8 @@ class ArtifactStore:
     def __init__(self, root_uri: str, retry_mode: str = "standard", max_attempts: int = 8):
         if retry_mode not in RETRY_MODES:
             raise ValueError(f"retry_mode must be one of {RETRY_MODES} (botocore's), got {retry_mode!r}")
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ValueError(f"max_attempts must be an int >= 1 (the first attempt counts), got {max_attempts!r}")
-        self.retry_mode, self.max_attempts = retry_mode, max_attempts
+        self.retry_mode = retry_mode
+        self.max_attempts = checked_int(max_attempts, "max_attempts", minimum=1)  # the first attempt counts
         self._backend = open_backend(root_uri, retry_mode, max_attempts)
 
     @property
@@ -101,8 +100,8 @@ class ArtifactStore:
     # -- tensors and JSON ----------------------------------------------------------------------
 
     def put_tensors(self, key: str, tensors: Mapping[str, torch.Tensor], durable: bool = True) -> ArtifactRef:
-        """Store tensors as one safetensors object at ``key`` (contiguous, no shared memory); overwrites
-        atomically. ``durable=False`` (objects made again after a machine crash) skips file://'s fsyncs."""
+        """Store tensors (contiguous, no shared memory) as one safetensors object at ``key``, replacing it
+        atomically. ``durable=False`` (for objects made again after a machine crash) skips file://'s fsyncs."""
         validate_key(key)
         return self._put(key, _safetensors_bytes(key, tensors), "tensors", durable)
 
@@ -134,11 +133,15 @@ class ArtifactStore:
         return ArtifactRef(self._backend.uri_of(key), digest, nbytes, kind)
 
     def _get(self, ref: ArtifactRef, kind: str) -> bytes:
-        key = self._key_of(ref, kind)
+        return self._read_verified(self._key_of(ref, kind), ref.sha256, ref.nbytes)
+
+    def _read_verified(self, key: str, sha256: str, nbytes: int | None = None, detail: str = "") -> bytes:
+        """The bytes at ``key``; ``IntegrityError`` unless they have the ``sha256`` (and size) they were stored with."""
         with self._faults(key):
             data = self._backend.read_bytes(key)
-        detail = "" if len(data) == ref.nbytes else f"expected {ref.nbytes} bytes, found {len(data)}"
-        verify(ref.uri, ref.sha256, sha256_hex(data), lambda: legacy_sha256(data), detail)
+        if nbytes is not None and len(data) != nbytes:
+            detail = f"expected {nbytes} bytes, found {len(data)}"
+        verify(self._backend.uri_of(key), sha256, sha256_hex(data), lambda: legacy_sha256(data), detail)
         return data
 
     def _read_if_present(self, key: str) -> bytes | None:
@@ -148,8 +151,7 @@ class ArtifactStore:
     # -- small mutable objects (the lease): conditional writes; a version is an opaque str -------
 
     def create_if_absent(self, key: str, data: bytes) -> str | None:
-        """Store ``data`` at ``key`` only if no object is there: of concurrent creators exactly one gets its
-        version, the others None."""
+        """Store ``data`` at ``key`` if no object is there: of concurrent creators one gets a version, others None."""
         with self._faults(key, writing=True):
             return self._backend.create_if_absent(validate_key(key), bytes(data))
 
@@ -198,9 +200,8 @@ class ArtifactStore:
         return ArtifactRef(backend.uri_of(key), sha256_hex(manifest), sum(e.nbytes for e in entries), "dir")
 
     def get_dir(self, ref: ArtifactRef, local_dir: str | os.PathLike, paths: Iterable[str] | None = None) -> Path:
-        """Download the directory of ``ref`` (or only its files ``paths``) into ``local_dir`` (absent or empty)
-        and return its path. Every file is verified in a hidden folder renamed to ``local_dir`` at the end: a
-        failure leaves no partial copy."""
+        """Download the directory of ``ref`` (or only its files ``paths``) into ``local_dir`` (absent or empty),
+        verified in a hidden folder renamed to it at the end: a failure leaves no partial copy."""
         key = self._key_of(ref, "dir")
         entries = self._read_manifest(key, ref.sha256)
         if paths is not None:
@@ -234,17 +235,13 @@ class ArtifactStore:
         """The relative paths of the files of the directory ``ref``, from its verified manifest."""
         return [entry.path for entry in self._read_manifest(self._key_of(ref, "dir"), ref.sha256)]
 
-    def _read_manifest(self, key: str, expected_sha256: str) -> list[ManifestEntry]:
+    def _read_manifest(self, key: str, sha256: str) -> list[ManifestEntry]:
         manifest_key = f"{key}/{MANIFEST_NAME}"
-        with self._faults(manifest_key):
-            data = self._backend.read_bytes(manifest_key)
-        uri = self._backend.uri_of(manifest_key)
-        verify(uri, expected_sha256, sha256_hex(data), lambda: legacy_sha256(data), "directory manifest")
-        return store_keys.decode_manifest(data, uri)
+        data = self._read_verified(manifest_key, sha256, detail="directory manifest")
+        return store_keys.decode_manifest(data, self._backend.uri_of(manifest_key))
 
     def find_dir(self, key: str) -> ArtifactRef | None:
-        """The ref of the complete directory at ``key``; None without a readable manifest (absent, or a write
-        that never finished)."""
+        """The ref of the complete directory at ``key``; None without a readable manifest (or any)."""
         manifest_key = f"{validate_key(key)}/{MANIFEST_NAME}"
         if (data := self._read_if_present(manifest_key)) is None:
             return None
@@ -256,12 +253,9 @@ class ArtifactStore:
         return ArtifactRef(self._backend.uri_of(key), sha256_hex(data), sum(e.nbytes for e in entries), "dir")
 
     def discard_dir(self, key: str) -> None:
-        """Delete the directory at ``key`` (complete or not), its manifest first so that readers stop seeing it
-        at once; nothing there is not an error."""
-        validate_key(key)
-        with self._faults(key, writing=True):
-            self._backend.delete_tree(f"{key}/{MANIFEST_NAME}")
-            self._backend.delete_tree(key)
+        """Delete the directory at ``key``, complete or not (nothing there is not an error)."""
+        with self._faults(validate_key(key), writing=True):
+            self._backend.delete_dir(key)
 
     def _same_dir_or_raise(self, existing: ArtifactRef, files: list[tuple[str, Path]]) -> ArtifactRef:
         # Only reached when a key is stored again, so hashing the local files once more is rare.
@@ -299,12 +293,10 @@ class ArtifactStore:
 
     def resume_checkpoint(self, run_id: str, load: Callable[[ArtifactRef], object],
                           on_damaged: Callable[[int, Exception, str], None] | None = None) -> int:
-        """Load the run's newest sound checkpoint with ``load(ref)``; return its step (0: there is none).
-
-        One that fails its checksum or misses a file is read once more (a torn read is not damage), then
-        quarantined, reported with ``on_damaged(step, error, quarantine URI)`` (default: a warning), and the one
-        before is tried. Any other error propagates: a fault of the moment (the store down) never condemns one.
-        """
+        """Load the run's newest sound checkpoint with ``load(ref)``; return its step (0: there is none). One that
+        fails its checksum or misses a file is read once more (a torn read is not damage), then quarantined,
+        reported with ``on_damaged(step, error, quarantine URI)`` (default: a warning), and the one before tried.
+        Any other error propagates: a fault of the moment (the store down) never condemns a checkpoint."""
         while (latest := self.latest_checkpoint(run_id)) is not None:
             for _ in range(2):
                 try:
@@ -340,8 +332,7 @@ class ArtifactStore:
     def prune(self, run_id: str, keep_last: int) -> list[int]:
         """Delete the run's rollout folders but the ``keep_last`` newest, and what killed writers left (file://
         staging unchanged for an hour); return the rollouts' numbers. Nothing else under the run is touched."""
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
-            raise ValueError(f"keep_last must be an int >= 0, got {keep_last!r}")
+        checked_int(keep_last, "keep_last")
         rollouts = self.list_rollouts(run_id)
         doomed = rollouts[: len(rollouts) - keep_last]
         with self._faults(run_id, writing=True):

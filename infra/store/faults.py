@@ -1,8 +1,6 @@
-"""Errors of the artifact store, and what a failure means once the libraries' own retries are spent.
-
-Retrying is botocore's alone (its ``standard`` or ``adaptive`` mode, set on the store); this module only turns
-what still fails into an error naming the settings to check, never their values. Anything else propagates.
-"""
+"""Errors of the artifact store, and what a failure means once botocore's retries (its ``standard`` or
+``adaptive`` mode, the only retrying there is) are spent: an error naming the settings to check, never their
+values. Anything else propagates."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What a local folder and S3 do alike, through one fsspec code path (read, copy out hashing, list, delete,
-move); how a write becomes visible and conditional writes are ``local.py``'s and ``s3.py``'s. Also the staging
+move); how writes become visible, and conditional writes, are ``local.py``'s and ``s3.py``'s. Also the staging
 names of writes in progress and the walk of a folder to be stored."""
 
 from __future__ import annotations
@@ -62,22 +62,24 @@ class Backend:
         """Remove ``key`` (an object, or a folder and everything below it); nothing there is not an error."""
         absent_is_none(lambda: self.fs.rm(self.path(key), recursive=True))
 
+    def delete_dir(self, key: str) -> None:
+        """``delete_tree``, a directory's manifest first: readers stop seeing it at once."""
+        self.delete_tree(f"{key}/{MANIFEST_NAME}")
+        self.delete_tree(key)
+
     def discard_staging(self, staging: str) -> None:
-        """Delete what a failed directory write left at ``staging``; best effort, for a leftover stays
-        invisible without its manifest."""
+        """Delete what a failed directory write left; best effort (a leftover stays invisible without a manifest)."""
         try:
             absent_is_none(lambda: self.fs.rm(staging, recursive=True))
         except Exception as exc:
             logger.warning("could not remove %s, left by a failed write: %s", staging, describe(exc))
 
     def move_tree(self, key: str, new_key: str) -> None:
-        """Move ``key`` and everything below it to ``new_key``: copies, then the originals deleted, a
-        directory's manifest first (readers stop seeing it at once)."""
+        """Move ``key`` and everything below it to ``new_key``: copies, then ``delete_dir`` of the originals."""
         src, dst = self.path(key), self.path(new_key)
         for path in self.fs.find(src):
             self.fs.copy(path, dst + path[len(src):])
-        self.delete_tree(f"{key}/{MANIFEST_NAME}")
-        self.delete_tree(key)
+        self.delete_dir(key)
 
 
 def absent_is_none(call: Callable[[], T]) -> T | None:

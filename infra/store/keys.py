@@ -1,8 +1,8 @@
-"""Names, keys and manifests of the artifact store.
+"""Keys, refs and manifests of the artifact store.
 
-A *key* is a relative, '/'-separated path below the store's root whose every part matches
-``[A-Za-z0-9_][A-Za-z0-9._-]*``: no key can climb out of the root (``..``), be absolute, carry another scheme
-(``s3://other``) or collide with the store's hidden staging names (leading ``.``). Layout::
+A key is a relative '/'-separated path whose every part matches ``[A-Za-z0-9_][A-Za-z0-9._-]*``: it cannot climb
+out of the root (``..``), be absolute, carry a scheme (``s3://other``) or collide with the store's hidden staging
+names (leading ``.``). Layout::
 
     <root>/<run_id>/rollout-<n>/<task>/rank-<r>.safetensors
     <root>/<run_id>/checkpoints/<step>/...            (a directory with MANIFEST.json)
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 MANIFEST_NAME = "MANIFEST.json"
 # v2: entries hold the plain sha256 of each file; v1 (older stores, still read) a piece-wise one.
@@ -25,6 +27,7 @@ CHECKPOINTS_DIR = "checkpoints"
 QUARANTINE_DIR = "quarantine"
 # A file, not a folder: listings of rollouts and checkpoints (and so ``prune``) see only folders.
 LEASE_NAME = "lease.json"
+KINDS = ("tensors", "json", "dir")
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 _ROLLOUT_DIR_RE = re.compile(r"rollout-(0|[1-9][0-9]*)")
@@ -38,9 +41,19 @@ def shown(value: object) -> str:
     return "<withheld: contains '@'>" if "@" in text else text[:200]
 
 
+def checked_int(value: object, what: str, minimum: int = 0) -> int:
+    """``value`` if it is an int >= ``minimum``, else ``ValueError`` (a bool is refused: a True rank is a bug)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {shown(value)}")
+    return value
+
+
+def is_sha256(value: object) -> bool:
+    return isinstance(value, str) and _SHA256_RE.fullmatch(value) is not None
+
+
 def validate_name(name: object, what: str = "name") -> str:
-    """``name`` if it is one safe path part (1-255 of ``[A-Za-z0-9._-]``, not starting with ``.`` or ``-``),
-    else ``ValueError`` saying why."""
+    """``name`` if it is one safe path part, else ``ValueError`` saying why."""
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(f"invalid {what} {shown(name)}: use 1-255 characters from [A-Za-z0-9._-], not starting "
                          "with '.' or '-' (no '/', '..', absolute paths or URI schemes)")
@@ -56,21 +69,14 @@ def validate_key(key: object) -> str:
     return key
 
 
-def _validate_index(value: object, what: str) -> int:
-    # bool is an int subclass; a True rank is a bug, not rank 1.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"invalid {what} {shown(value)}: expected an int >= 0")
-    return value
-
-
 def rollout_prefix(run_id: str, rollout: int) -> str:
-    return f"{validate_name(run_id, 'run id')}/rollout-{_validate_index(rollout, 'rollout')}"
+    return f"{validate_name(run_id, 'run id')}/rollout-{checked_int(rollout, 'rollout')}"
 
 
 def rollout_key(run_id: str, rollout: int, task: str, rank: int) -> str:
-    """The key of one rank's tensors for one task of one rollout (``ValueError`` on an unsafe part)."""
+    """The key of one rank's tensors for one task of one rollout."""
     validate_name(task, "task name")
-    return f"{rollout_prefix(run_id, rollout)}/{task}/rank-{_validate_index(rank, 'rank')}.safetensors"
+    return f"{rollout_prefix(run_id, rollout)}/{task}/rank-{checked_int(rank, 'rank')}.safetensors"
 
 
 def checkpoints_prefix(run_id: str) -> str:
@@ -78,12 +84,12 @@ def checkpoints_prefix(run_id: str) -> str:
 
 
 def checkpoint_key(run_id: str, step: int) -> str:
-    return f"{checkpoints_prefix(run_id)}/{_validate_index(step, 'step')}"
+    return f"{checkpoints_prefix(run_id)}/{checked_int(step, 'step')}"
 
 
 def part_key(key: str, rank: int) -> str:
     """The key of rank ``rank``'s part of the checkpoint at ``key`` (a sibling: not a step folder)."""
-    return f"{key}-rank-{_validate_index(rank, 'rank')}"
+    return f"{key}-rank-{checked_int(rank, 'rank')}"
 
 
 def lease_key(run_id: str) -> str:
@@ -103,46 +109,85 @@ def parse_step_dir(name: str, parts: bool = False) -> int | None:
     return int(match.group(1)) if match and (parts or not match.group(2)) else None
 
 
-def is_sha256(value: object) -> bool:
-    return isinstance(value, str) and _SHA256_RE.fullmatch(value) is not None
+@dataclass(frozen=True)
+class ArtifactRef:
+    """A stored artifact, what tasks hand each other instead of tensors: its URI, the plain sha256 of its bytes
+    (a ``dir``'s: of its MANIFEST.json, which lists each file's), its size (a dir's: the sum of its files') and
+    kind. Plain fields, so Prefect can persist it; its dict and JSON forms round-trip it exactly."""
+
+    uri: str
+    sha256: str
+    nbytes: int
+    kind: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.uri, str) or "://" not in self.uri:
+            raise ValueError(f"ArtifactRef.uri must be a URI string, got {type(self.uri).__name__}")
+        if not is_sha256(self.sha256):
+            raise ValueError("ArtifactRef.sha256 must be 64 lowercase hex digits")
+        checked_int(self.nbytes, "ArtifactRef.nbytes")
+        if self.kind not in KINDS:
+            raise ValueError(f"ArtifactRef.kind must be one of {KINDS}, got {self.kind!r}")
+
+    def to_dict(self) -> dict[str, str | int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ArtifactRef:
+        """Inverse of ``to_dict``; refuses missing or unknown fields."""
+        names = {field.name for field in fields(cls)}
+        if set(data) != names:
+            raise ValueError(f"an ArtifactRef needs exactly the fields {sorted(names)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ArtifactRef:
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint directory of a run: its step and the ref to pass to ``get_dir``."""
+
+    step: int
+    ref: ArtifactRef
 
 
 @dataclass(frozen=True)
 class ManifestEntry:
-    """One file of a stored directory: its relative path, size and sha256 (piece-wise in a v1 manifest)."""
+    """One file of a stored directory: its relative path (a key, so that a hostile manifest cannot make get_dir
+    write outside its destination), size and sha256 (piece-wise in a v1 manifest)."""
 
     path: str
     nbytes: int
     sha256: str
 
+    def __post_init__(self) -> None:
+        validate_key(self.path)
+        checked_int(self.nbytes, "nbytes")
+        if not is_sha256(self.sha256):
+            raise ValueError(f"bad sha256 {shown(self.sha256)}")
+
 
 def encode_manifest(entries: list[ManifestEntry]) -> bytes:
-    """Serialise entries deterministically (sorted by path), so equal trees give equal bytes."""
-    files = [{"path": e.path, "nbytes": e.nbytes, "sha256": e.sha256} for e in sorted(entries, key=lambda e: e.path)]
+    """Entries sorted by path, so equal trees give equal bytes."""
+    files = [asdict(entry) for entry in sorted(entries, key=lambda entry: entry.path)]
     return json.dumps({"format": MANIFEST_FORMAT, "files": files}, sort_keys=True, indent=1).encode("utf-8")
 
 
 def decode_manifest(data: bytes, uri: str) -> list[ManifestEntry]:
-    """Parse and check a manifest (v2 or v1); ``ValueError`` naming ``uri`` if it is malformed. Every path is
-    validated as a key: a hostile manifest must not make get_dir write outside its destination."""
+    """Parse and check a manifest (v2 or v1); ``ValueError`` naming ``uri`` if it is malformed."""
     try:
         document = json.loads(data.decode("utf-8"))
         if document.get("format") not in MANIFEST_FORMATS:
             raise ValueError(f"unknown format {shown(document.get('format'))}")
-        entries = [_decode_entry(item) for item in document["files"]]
+        entries = [ManifestEntry(**item) for item in document["files"]]  # TypeError for missing or extra fields
+        paths = [entry.path for entry in entries]
+        if len(set(paths)) != len(paths) or MANIFEST_NAME in paths:
+            raise ValueError("duplicate or reserved paths")
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
         raise ValueError(f"malformed manifest at {uri}: {exc}") from exc
-    paths = [e.path for e in entries]
-    if len(set(paths)) != len(paths) or MANIFEST_NAME in paths:
-        raise ValueError(f"malformed manifest at {uri}: duplicate or reserved paths")
     return entries
-
-
-def _decode_entry(item: dict) -> ManifestEntry:
-    if set(item) != {"path", "nbytes", "sha256"}:
-        raise ValueError(f"unexpected entry fields {sorted(item)}")
-    if isinstance(item["nbytes"], bool) or not isinstance(item["nbytes"], int) or item["nbytes"] < 0:
-        raise ValueError(f"bad nbytes {shown(item['nbytes'])}")
-    if not is_sha256(item["sha256"]):
-        raise ValueError(f"bad sha256 {shown(item['sha256'])}")
-    return ManifestEntry(validate_key(item["path"]), item["nbytes"], item["sha256"])

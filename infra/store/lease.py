@@ -1,10 +1,9 @@
-"""One run per run id: a lease on the run id, the small JSON object ``<run_id>/lease.json`` in the store.
+"""One run per run id: a lease on the run id, the JSON object ``<run_id>/lease.json`` in the store.
 
-It changes only through the store's conditional writes, each a compare-and-swap on the version just read:
-acquire creates it if absent, else replaces it only if it is stale (of two takers of one stale lease exactly
-one wins), else raises ``LeaseHeldError`` at once; renew replaces our own version (``LeaseLostError`` if it
-was taken over meanwhile); release deletes it only if it still holds our token. Expiry is judged by the
-acquirer's clock against the holder's ``expires_at``, so hosts' clocks must agree to well within the ttl.
+It changes only by conditional writes on the version just read: acquire creates it if absent, else takes it over
+only if stale (of two takers exactly one wins), else raises ``LeaseHeldError`` at once; renew replaces our version
+(``LeaseLostError`` if it was taken meanwhile); release deletes it only if it holds our token. Expiry is judged by
+the acquirer's clock, so hosts' clocks must agree to well within the ttl.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from infra.store.faults import StoreError, describe
 from infra.store.keys import lease_key, shown
 
 logger = logging.getLogger(__name__)
-
 LEASE_FORMAT = "dmd2-flows/lease-v1"
 _MAX_HOLDER_CHARS = 500
 # Each round follows someone else's change to the lease; more than a few means a fight to retry.
@@ -107,8 +105,11 @@ class LeaseRecord:
                              "delete it") from exc
         return record
 
-    def held_error(self, run_id: str, uri: str) -> LeaseHeldError:
-        return LeaseHeldError(run_id, uri, self.holder, self.renewed_at, self.expires_at)
+
+def _read(store: ArtifactStore, key: str) -> tuple[LeaseRecord, str] | None:
+    """The stored lease and its version, or None if there is none."""
+    stored = store.read_versioned(key)
+    return None if stored is None else (LeaseRecord.decode(stored[0], store.uri(key)), stored[1])
 
 
 class RunLease:
@@ -116,7 +117,7 @@ class RunLease:
     Thread-safe: the background renewal, ``check`` and ``release`` may run in different threads."""
 
     def __init__(self, store: ArtifactStore, run_id: str, record: LeaseRecord, version: str, ttl_s: float,
-                 renew_every_s: float):
+                 renew_every_s: float, background: bool):
         self.store, self.run_id, self.ttl_s, self.renew_every_s = store, run_id, ttl_s, renew_every_s
         self.key = lease_key(run_id)
         self.uri = store.uri(self.key)
@@ -127,6 +128,9 @@ class RunLease:
         self._released = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._renew_until_released, name=f"lease-{run_id}", daemon=True)
+            self._thread.start()
 
     @property
     def expires_at(self) -> float:
@@ -141,46 +145,36 @@ class RunLease:
         """``LeaseHeldError`` if someone holds a live lease on ``run_id`` now; takes nothing (the CLI asks
         before Prefect and Ray start; ``acquire`` decides)."""
         key = lease_key(run_id)
-        stored = store.read_versioned(key)
-        if stored is not None and (existing := LeaseRecord.decode(stored[0], store.uri(key))).is_live():
-            raise existing.held_error(run_id, store.uri(key))
+        if (stored := _read(store, key)) is not None and stored[0].is_live():
+            raise _held(stored[0], run_id, store.uri(key))
 
     @classmethod
     def acquire(cls, store: ArtifactStore, run_id: str, holder: str, ttl_s: float = 60.0,
                 renew_every_s: float | None = None, *, background: bool = True) -> RunLease:
-        """Lease ``run_id`` to ``holder`` (who holds it: host, pid, flow run; the refusal of a second acquirer
-        names it) for ``ttl_s``, renewed every ``renew_every_s`` (default ``ttl_s / 3``) by a daemon thread, or
-        by the caller (``renew``, ``check``) with ``background=False``. ``LeaseHeldError`` at once if someone
-        else holds a live lease; a stale one is taken over (with a warning)."""
+        """Lease ``run_id`` to ``holder`` (host, pid, flow run: a refused acquirer is told it) for ``ttl_s``, renewed
+        every ``renew_every_s`` (default ``ttl_s / 3``) by a daemon thread, or with ``background=False`` by the
+        caller (``renew``, ``check``). ``LeaseHeldError`` at once if a live lease is held; a stale one is taken over."""
         renew_every_s = ttl_s / 3 if renew_every_s is None else renew_every_s
         _check_arguments(holder, ttl_s, renew_every_s)
         key, ours = lease_key(run_id), LeaseRecord.new(holder, ttl_s)
         uri = store.uri(key)
         for _ in range(_ACQUIRE_ROUNDS):
             record = ours.renewed(ttl_s)
-            version = store.create_if_absent(key, record.encode())
-            if version is None:
-                stored = store.read_versioned(key)
-                if stored is None:
+            if (version := store.create_if_absent(key, record.encode())) is None:
+                if (stored := _read(store, key)) is None:
                     continue  # released between the two calls: create again
-                existing = LeaseRecord.decode(stored[0], uri)
+                existing, current = stored
                 if existing.token == ours.token:  # our write landed, but its answer was lost
-                    record, version = existing, stored[1]
+                    record, version = existing, current
                 elif existing.is_live():
-                    raise existing.held_error(run_id, uri)
+                    raise _held(existing, run_id, uri)
                 else:
                     record = record.renewed(ttl_s)
-                    version = store.replace_if(key, record.encode(), stored[1])
-                    if version is None:
+                    if (version := store.replace_if(key, record.encode(), current)) is None:
                         continue  # another taker won, or the holder renewed: look again
                     logger.warning("took over the stale lease %s of %s (its process is gone, or it expired %s)",
                                    uri, existing.holder, _when(existing.expires_at, time.time()))
-            lease = cls(store, run_id, record, version, ttl_s, renew_every_s)
-            if background:
-                lease._thread = threading.Thread(target=lease._renew_until_released, name=f"lease-{run_id}",
-                                                 daemon=True)
-                lease._thread.start()
-            return lease
+            return cls(store, run_id, record, version, ttl_s, renew_every_s, background)
         raise StoreError(f"the lease {uri} kept changing while it was being acquired; try again")
 
     def renew(self) -> None:
@@ -194,11 +188,7 @@ class RunLease:
                 if version is not None:
                     self._record, self._version = record, version
                     return
-                stored, current = self._read()
-                if current is None or current.token != self.token:
-                    self._lost = self._loss_message(current)
-                    raise LeaseLostError(self._lost)
-                self._version = stored[1]  # ours, written by a renewal whose answer was lost
+                self._version = self._read_ours()[1]  # ours, written by a renewal whose answer was lost
             raise StoreError(f"the lease {self.uri} kept changing while it was being renewed")
 
     def check(self) -> None:
@@ -221,9 +211,9 @@ class RunLease:
             self._released = True
             if self._lost is not None:
                 return
-            stored, current = self._read()
-            if current is None or current.token != self.token:
-                logger.warning("not deleting %s: %s", self.uri, self._loss_message(current))
+            stored = _read(self.store, self.key)
+            if stored is None or stored[0].token != self.token:
+                logger.warning("not deleting %s: %s", self.uri, self._loss_message(stored[0] if stored else None))
             elif not self.store.delete_if(self.key, stored[1]):
                 logger.warning("not deleting %s: it changed while it was being released", self.uri)
 
@@ -237,9 +227,13 @@ class RunLease:
             logger.warning("could not release %s (%s); it expires by itself %s", self.uri, describe(exc),
                            _when(self.expires_at, time.time()))
 
-    def _read(self) -> tuple[tuple[bytes, str] | None, LeaseRecord | None]:
-        stored = self.store.read_versioned(self.key)
-        return stored, None if stored is None else LeaseRecord.decode(stored[0], self.uri)
+    def _read_ours(self) -> tuple[LeaseRecord, str]:
+        """The stored lease and its version; ``LeaseLostError`` (and lost for good) unless it holds our token."""
+        stored = _read(self.store, self.key)
+        if stored is None or stored[0].token != self.token:
+            self._lost = self._loss_message(stored[0] if stored else None)
+            raise LeaseLostError(self._lost)
+        return stored
 
     def _raise_if_done(self) -> None:
         if self._lost is not None:
@@ -268,6 +262,10 @@ class RunLease:
                     return
                 logger.warning("could not renew %s (%s); trying again in %.3g s", self.uri, describe(exc),
                                self.renew_every_s)
+
+
+def _held(record: LeaseRecord, run_id: str, uri: str) -> LeaseHeldError:
+    return LeaseHeldError(run_id, uri, record.holder, record.renewed_at, record.expires_at)
 
 
 def _check_arguments(holder: object, ttl_s: float, renew_every_s: float) -> None:

@@ -1,15 +1,12 @@
 """The ``file://`` backend: a folder on a local or shared filesystem (fsspec's ``LocalFileSystem``).
 
-Visible only when complete: an object is written to a hidden file in its final folder (``open(path, "xb")``,
-so it gets the user's umask, where ``tempfile.mkstemp`` would make it 0600), fsynced, and renamed into place,
-the rename fsynced too, so a machine crash cannot leave a torn object visible (writes a caller marks not
-durable skip the fsyncs). A directory is assembled in a hidden staging folder and renamed into place at once.
-
-Conditional writes (the run lease): create-if-absent hard-links a fully written hidden file into place
-(``link(2)`` refuses an existing name, so one creator wins); compare-and-swap and conditional delete hold an
-exclusive ``flock`` on a hidden lock file next to the object around read-compare-replace, which needs a
-filesystem whose ``flock`` excludes every client: a local disk, or NFSv4 (without the ``local_lock=flock`` or
-``nolock`` mount options). An object's version is the sha256 of its bytes.
+Visible only when complete: an object is written to a hidden file beside it (``open(path, "xb")``, so it gets the
+user's umask where ``mkstemp`` would give 0600), fsynced and renamed into place, the rename fsynced too (unless the
+caller marks the write not durable); a directory is assembled in a hidden folder and renamed into place at once.
+Conditional writes (the lease): create-if-absent hard-links a complete hidden file into place (``link(2)`` refuses
+an existing name, so one creator wins); replace-if and delete-if hold an exclusive ``flock`` on a lock file beside
+the object, which needs a filesystem whose ``flock`` excludes every client (a local disk, or NFSv4 without the
+``local_lock=flock`` or ``nolock`` mount options). An object's version is the sha256 of its bytes.
 """
 
 from __future__ import annotations
@@ -19,14 +16,15 @@ import fcntl
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
+from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
 from infra.store.digest import sha256_hex
 from infra.store.faults import ArtifactExistsError, StoreError, refused_write
-from infra.store.io import Backend, hidden_sibling, is_staging_name, write_hashing
+from infra.store.io import Backend, absent_is_none, hidden_sibling, is_staging_name, write_hashing
 
 
 class LocalBackend(Backend):
@@ -42,8 +40,10 @@ class LocalBackend(Backend):
         """A refused write as a ``StoreWriteError``; anything else propagates as it is."""
         return refused_write(exc, uri) if writing else None
 
-    def write(self, path: str, chunks: Iterable[bytes], durable: bool = True) -> tuple[str, int]:
-        """Store the concatenation of ``chunks`` at ``path`` atomically; (sha256, size), hashed meanwhile."""
+    def write(self, path: str, chunks: Iterable[bytes], durable: bool = True,
+              place: Callable[[str, str], None] = os.replace) -> tuple[str, int]:
+        """Store the concatenation of ``chunks`` at ``path``, all or nothing: a hidden file put in its ``place``
+        (``os.replace``; ``os.link`` refuses an existing file); (sha256, size), hashed meanwhile."""
         os.makedirs(os.path.dirname(path), exist_ok=True)
         temp = hidden_sibling(path, "tmp")
         try:
@@ -52,17 +52,16 @@ class LocalBackend(Backend):
                 file.flush()
                 if durable:
                     os.fsync(file.fileno())
-            os.replace(temp, path)
-        except BaseException:
+            place(temp, path)
+        finally:
             with suppress(FileNotFoundError):
-                os.remove(temp)
-            raise
+                os.remove(temp)  # gone once replaced; left by a link or a failure
         if durable:
             _fsync_dir(os.path.dirname(path))
         return result
 
     def staging_dir(self, key: str) -> str:
-        """Where a directory at ``key`` is assembled: a hidden sibling that listings and readers ignore."""
+        """A hidden sibling of ``key``, which listings and readers ignore, to assemble a directory in."""
         staging = hidden_sibling(self.path(key), "partial")
         os.makedirs(staging)
         return staging
@@ -87,40 +86,27 @@ class LocalBackend(Backend):
             _fsync_dir(os.path.dirname(path))
 
     def delete_stale_staging(self, key: str, max_age_s: float) -> list[str]:
-        """Delete the hidden staging below ``key`` in which nothing changed for ``max_age_s`` (a live writer
-        keeps changing its own); return the paths deleted."""
+        """Delete the staging below ``key`` in which nothing changed for ``max_age_s`` (a live writer keeps
+        changing its own); the paths deleted."""
         cutoff, removed = time.time() - max_age_s, []
         for folder, dirnames, filenames in os.walk(self.path(key)):
-            staging = [name for name in [*dirnames, *filenames] if is_staging_name(name)]
+            staging = [os.path.join(folder, name) for name in [*dirnames, *filenames] if is_staging_name(name)]
             dirnames[:] = [name for name in dirnames if not is_staging_name(name)]
-            for path in (os.path.join(folder, name) for name in staging):
-                try:
+            for path in staging:
+                with suppress(FileNotFoundError):  # its writer finished or cleaned up meanwhile
                     if _newest_mtime(path) < cutoff:
                         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
                         removed.append(path)
-                except FileNotFoundError:
-                    continue  # its writer finished or cleaned up meanwhile
         return removed
 
     def create_if_absent(self, key: str, data: bytes) -> str | None:
-        path = self.path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        temp = hidden_sibling(path, "tmp")
         try:
-            with open(temp, "xb") as file:
-                file.write(data)
-                os.fsync(file.fileno())
-            os.link(temp, path)
+            return self.write(self.path(key), [data], place=os.link)[0]
         except FileExistsError:
             return None
-        finally:
-            with suppress(FileNotFoundError):
-                os.remove(temp)
-        _fsync_dir(os.path.dirname(path))
-        return sha256_hex(data)
 
     def read_versioned(self, key: str) -> tuple[bytes, str] | None:
-        data = _read_or_none(self.path(key))
+        data = absent_is_none(Path(self.path(key)).read_bytes)
         return None if data is None else (data, sha256_hex(data))
 
     def replace_if(self, key: str, data: bytes, version: str) -> str | None:
@@ -139,7 +125,7 @@ class LocalBackend(Backend):
 
 @contextmanager
 def _locked_at(path: str, version: str) -> Iterator[bool]:
-    """Hold an exclusive ``flock`` on ``.<name>.lock`` next to ``path``; yield whether the object is still at
+    """Hold an exclusive ``flock`` on ``.<name>.lock`` beside ``path``; yield whether the object is still at
     ``version`` (False, with no lock taken, if it is absent). The lock file is never deleted: removing it could
     let two processes lock two different files of one name; the kernel drops a killed process's lock."""
     if not os.path.isfile(path):  # absent (its folder too, perhaps): nothing to lock
@@ -149,7 +135,7 @@ def _locked_at(path: str, version: str) -> Iterator[bool]:
     fd = os.open(os.path.join(folder, f".{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        current = _read_or_none(path)
+        current = absent_is_none(Path(path).read_bytes)
         yield current is not None and sha256_hex(current) == version
     finally:
         os.close(fd)  # closing the only descriptor releases the lock
@@ -166,16 +152,5 @@ def _fsync_dir(folder: str) -> None:
 
 def _newest_mtime(path: str) -> float:
     """The latest modification time of ``path`` and, for a folder, of everything below it."""
-    newest = os.lstat(path).st_mtime
-    for folder, dirnames, filenames in os.walk(path):
-        for name in [*dirnames, *filenames]:
-            newest = max(newest, os.lstat(os.path.join(folder, name)).st_mtime)
-    return newest
-
-
-def _read_or_none(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as file:
-            return file.read()
-    except FileNotFoundError:
-        return None
+    below = (os.path.join(folder, name) for folder, dirs, files in os.walk(path) for name in [*dirs, *files])
+    return max([os.lstat(path).st_mtime, *(os.lstat(entry).st_mtime for entry in below)])

@@ -1,17 +1,12 @@
-"""The ``s3://`` backend, on s3fs.
+"""The ``s3://`` backend, on s3fs. Endpoint, region and credentials are botocore's own resolution: this module
+never reads, keeps or prints a credential.
 
-Visible only when complete: S3 shows an object once its PUT (or multipart upload) completes, so each object
-is one upload; a directory's files go to their final keys and its manifest last. Endpoint, region and
-credentials are botocore's own resolution; this module never reads, keeps or prints a credential.
-
-Retries are botocore's alone (``standard`` or ``adaptive`` mode, the store's ``max_attempts``; s3fs's own loop
-is set to one try, so the two never multiply). Its flexible checksums guard the transport (S3 verifies every
-upload's and part's CRC, botocore a whole-object download's); the sha256 of every read guards the bytes at rest.
-
-Conditional writes (the run lease) are S3's own, through the botocore client s3fs holds (its file API drops
-the conditions): PutObject with ``If-None-Match: *`` creates only if absent, PutObject and DeleteObject with
-``If-Match: <etag>`` touch only the version read; a failed condition is an answer, not an error. An object's
-version is its ETag.
+Visible only when complete: S3 shows an object once its PUT (or multipart upload) completes, so each object is one
+upload; a directory's files go to their final keys and its manifest last. Retries are botocore's alone (s3fs's own
+loop is set to one try, so the two never multiply); its flexible checksums guard the transport, the sha256 of
+every read the bytes at rest. Conditional writes (the lease) are S3's own, through s3fs's botocore client (its file
+API drops the conditions): ``If-None-Match: *`` creates only if absent, ``If-Match: <etag>`` replaces or deletes
+only the version read; a failed condition is an answer, not an error. An object's version is its ETag.
 """
 
 from __future__ import annotations
@@ -69,8 +64,7 @@ class S3Backend(Backend):
             return "the configured endpoint"
 
     def write(self, path: str, chunks: Iterable[bytes], durable: bool = True) -> tuple[str, int]:
-        """Upload the concatenation of ``chunks`` as the object at ``path``, which appears only if the upload
-        completes; (sha256, size), hashed meanwhile."""
+        """Upload the concatenation of ``chunks`` to ``path`` in one upload; (sha256, size), hashed meanwhile."""
         upload = self.fs.open(path, "wb", block_size=_UPLOAD_BLOCK_BYTES)
         try:
             result = write_hashing(chunks, upload)
@@ -85,8 +79,7 @@ class S3Backend(Backend):
         return result
 
     def staging_dir(self, key: str) -> str:
-        """A directory is written at its own place, first emptied of what a killed writer left there (invisible
-        without a manifest), so that leftovers never mix into the new directory."""
+        """``key`` itself, emptied of what a killed writer left (invisible without a manifest, never mixed in)."""
         self.delete_tree(key)
         return self.path(key)
 
@@ -94,8 +87,8 @@ class S3Backend(Backend):
         """Nothing to do: the manifest, written last, made the directory visible."""
 
     def delete_stale_staging(self, key: str, max_age_s: float) -> list[str]:
-        """Nothing to delete: an interrupted upload never becomes an object (its parts are the bucket's to
-        expire), and an interrupted directory is emptied when its key is written again."""
+        """None: an interrupted upload never becomes an object (the bucket expires its parts), and an interrupted
+        directory is emptied when its key is written again."""
         return []
 
     def create_if_absent(self, key: str, data: bytes) -> str | None:
