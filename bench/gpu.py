@@ -57,6 +57,7 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from dmd2.config import DistillConfig, config_from_dict  # noqa: E402
+from dmd2.families.sd3.published import SD35_MEDIUM  # noqa: E402
 from dmd2.family import family_for  # noqa: E402
 from dmd2.model import DiffusersVelocity  # noqa: E402
 from dmd2.plan import rollout_plan  # noqa: E402
@@ -74,10 +75,6 @@ PROMPTS = ["a photo of a cat", "a red dog", "a blue sign", "the cat on the sign"
 # Dense bf16 peaks by device name, the first key found in it wins (vendors' datasheets); MFU is n/a on any
 # other device, and on the H200 NVL, whose clocks and peak differ from the SXM part's.
 PEAK_BF16 = {"H200 NVL": None, "H200": 989e12, "H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "A100": 312e12}
-SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-                   pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-                   dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
 
 
 @dataclass(frozen=True)

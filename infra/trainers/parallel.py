@@ -19,6 +19,7 @@ import socket
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from dmd2.lora import add_adapters_like, has_adapters
@@ -70,8 +71,11 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return [unit for child in model.children() if isinstance(child, nn.ModuleList) for unit in child]
 
 
-def fsdp(model: nn.Module, bf16: bool) -> nn.Module:
+def fsdp(model: nn.Module, bf16: bool, mesh: DeviceMesh | None = None) -> nn.Module:
     """``model`` sharded in place per `shard_units` and at the root; its parameters become DTensors.
+
+    ``mesh``: the ranks to shard over, default the whole process group (a memory measurement on fake tensors
+    passes one made before its fake mode: a mesh cannot be made inside it).
 
     Under bf16 the gathered weights are bf16 and gradients are reduced in fp32 onto fp32 shards (the
     master weights). Inputs are not cast (`cast_forward_inputs=False`): the timestep must reach the
@@ -80,9 +84,9 @@ def fsdp(model: nn.Module, bf16: bool) -> nn.Module:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32,
                                   cast_forward_inputs=False)
     for unit in shard_units(model):
-        fully_shard(unit, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
     # The root reshards after forward too: a sleeping rank must hold no gathered weights.
-    fully_shard(model, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     return model
 
 
