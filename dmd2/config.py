@@ -152,7 +152,10 @@ class ClusterConfig:
 
     gpus_per_rank: float | None = option(None, "GPUs per rank of each group; default: 1 when the Ray cluster has "
                                                "GPUs, else 0 (CPU ranks).")
-    cpus_per_rank: float = option(1.0, "CPUs per rank of each group.")
+    cpus_per_rank: float | None = option(None, "CPUs per rank of each group (Ray's logical CPUs); default: 1, or on "
+                                               "a local Ray (no RAY_ADDRESS) with fewer CPUs than the run has ranks "
+                                               "(world size x groups), an equal share of them: the ranks then share "
+                                               "the machine's cores.")
     colocate: bool = option(True, "Actor and critic rank i share bundle i's GPUs (fractional GPUs: the peak is the "
                                   "largest group, as each sleeps after use); false: each rank gets its own.")
     placement_strategy: str = option("PACK", "Ray placement of the ranks' bundles: PACK, SPREAD or STRICT_SPREAD.")

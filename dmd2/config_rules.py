@@ -55,7 +55,8 @@ def validate(config: "DistillConfig") -> None:
     cluster = config.cluster
     _check(cluster.gpus_per_rank is None or cluster.gpus_per_rank >= 0,
            f"[cluster] gpus_per_rank must be >= 0 (0: CPU ranks), got {cluster.gpus_per_rank}")
-    _check(cluster.cpus_per_rank > 0, f"[cluster] cpus_per_rank must be > 0, got {cluster.cpus_per_rank}")
+    _check(cluster.cpus_per_rank is None or cluster.cpus_per_rank > 0,
+           f"[cluster] cpus_per_rank must be > 0, got {cluster.cpus_per_rank}")
     _check(cluster.placement_strategy in PLACEMENT_STRATEGIES,
            f"[cluster] placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {cluster.placement_strategy!r}")
     _check(config.data.resolution >= 0, f"[data] resolution must be >= 0 (0: the model's default), got "

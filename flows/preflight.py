@@ -60,6 +60,8 @@ def preflight(recipe: str | Path, overrides: list[str] | None = None, rollouts: 
         check_creatable(Path(cache_dir), "--cache-dir")
     address, ray_option = _setting(ray_address, "--ray-address", "RAY_ADDRESS", "")
     check_ray_address(address, ray_option)
+    if not address:
+        check_local_cpus(config, os.cpu_count() or 1)
     check_prefect_api(os.environ.get("PREFECT_API_URL", ""))
     tracking_uri, tracking_option = _setting(tracking_uri, "--tracking-uri", "MLFLOW_TRACKING_URI",
                                              DEFAULT_TRACKING_URI)
@@ -171,6 +173,24 @@ def check_ray_address(address: str, option: str = "--ray-address") -> None:
     if not host or port is None:
         raise ConfigError(f"{option} {address!r} is not host:port; {fix}")
     _check_reachable(host, port, f"{option} {address!r}", "start the cluster (ray start --head) or fix the address")
+
+
+def check_local_cpus(config: DistillConfig, cpus: int) -> None:
+    """Refuse CPUs per rank that the local Ray (one node of this machine's ``cpus``) could never give every rank:
+    Ray would wait for them in vain. Rank i of every group shares bundle i (infra/trainers/cluster.py)."""
+    cluster, train = config.cluster, config.train
+    if cluster.cpus_per_rank is None:
+        return  # the default is a share that fits
+    groups = 2 if train.loss_type == "dmd2" else 1  # the critic, beside the actor
+    bundle = cluster.cpus_per_rank * groups
+    placeable = 1 if cluster.placement_strategy == "STRICT_SPREAD" else int(cpus / bundle + 1e-9)
+    if placeable < train.world_size:
+        raise ConfigError(
+            f"[train] world_size = {train.world_size} with [cluster] cpus_per_rank = {cluster.cpus_per_rank:g} needs "
+            f"{train.world_size} bundles of {bundle:g} CPUs ({groups} group(s) per rank, "
+            f"{cluster.placement_strategy}), but a local Ray on this machine has {cpus} CPUs (it holds {placeable}): "
+            "lower either, or unset [cluster] cpus_per_rank (the default shares the machine's CPUs), or join a "
+            "larger cluster with --ray-address / RAY_ADDRESS")
 
 
 def check_prefect_api(url: str) -> None:

@@ -13,6 +13,7 @@ sized for every group that shares it, and rank i of each group on bundle i (frac
 """
 
 import logging
+import math
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -96,13 +97,42 @@ class RankResources:
         return bundle
 
 
+def is_local_cluster() -> bool:
+    """Whether the Ray this process uses is the local one `ensure_ray` starts (no RAY_ADDRESS): its size is
+    fixed, so what does not fit now never will. A joined cluster may grow (an autoscaler adds nodes)."""
+    return not os.environ.get("RAY_ADDRESS")
+
+
+def placeable_bundles(bundle: dict[str, float], strategy: str) -> int:
+    """How many copies of ``bundle`` the cluster's alive nodes can hold at most (their total resources, not
+    what is free now); STRICT_SPREAD puts at most one on a node."""
+    count = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        have = node.get("Resources", {})
+        fits = min((int(have.get(name, 0.0) / amount + 1e-9) for name, amount in bundle.items() if amount > 0),
+                   default=0)
+        count += min(fits, 1) if strategy == "STRICT_SPREAD" else fits
+    return count
+
+
 def rank_placement_group(world_size: int, per_rank: RankResources, groups: int = 1, strategy: str = "PACK",
                          timeout_s: float = 120.0) -> PlacementGroup:
     """A ready placement group of ``world_size`` bundles; rank i of every sharing group goes on bundle i.
 
     ``strategy``: PACK (as few nodes as possible), SPREAD, or STRICT_SPREAD (each rank on its own node).
+    On a local Ray, bundles that its nodes could never hold are refused at once (`ConfigError`); on a joined
+    cluster they are waited for up to ``timeout_s`` (its autoscaler may add nodes).
     """
     bundles = [per_rank.bundle(groups) for _ in range(world_size)]
+    if is_local_cluster() and (room := placeable_bundles(bundles[0], strategy)) < world_size:
+        total = ray.cluster_resources()
+        has = ", ".join(f"{name} {total.get(name, 0):g}" for name in bundles[0])
+        raise ConfigError(
+            f"[train] world_size = {world_size} needs {world_size} bundles of {bundles[0]} ({groups} colocated "
+            f"group(s) per rank, {strategy}), but this machine's local Ray (with {has}) can hold {room}: lower [train] world_size or [cluster] cpus_per_rank / gpus_per_rank (or leave them unset: "
+            "the defaults fit the machine), or join a larger cluster with RAY_ADDRESS")
     group = placement_group(bundles, strategy=strategy)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
@@ -115,8 +145,12 @@ def rank_placement_group(world_size: int, per_rank: RankResources, groups: int =
     return group
 
 
-def rank_resources(cluster: ClusterConfig, groups: int) -> RankResources:
-    """What one rank of one of `groups` groups asks for, from `[cluster]` and what the Ray cluster has.
+def rank_resources(cluster: ClusterConfig, groups: int, world_size: int = 1) -> RankResources:
+    """What one rank of one of `groups` groups of `world_size` ranks asks for, from `[cluster]` and what the Ray
+    cluster has.
+
+    CPUs default to 1 per rank; on a local Ray with fewer CPUs than the run's ranks, to an equal share of its
+    CPUs (floored to Ray's 1e-4 granularity), so that any world size places on a small machine.
 
     Colocated, the groups' rank i share bundle i's GPUs (each rank asks gpus_per_rank / groups: Ray's
     fractional GPUs); otherwise each rank asks for its own. Ray gives each rank its GPUs through
@@ -125,4 +159,8 @@ def rank_resources(cluster: ClusterConfig, groups: int) -> RankResources:
     gpus = cluster.gpus_per_rank
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-    return RankResources(num_cpus=cluster.cpus_per_rank, num_gpus=gpus / groups if cluster.colocate else gpus)
+    cpus = cluster.cpus_per_rank
+    if cpus is None:
+        ranks, have = world_size * groups, ray.cluster_resources().get("CPU", 0.0)
+        cpus = 1.0 if not is_local_cluster() or have >= ranks else math.floor(have / ranks * 1e4) / 1e4
+    return RankResources(num_cpus=cpus, num_gpus=gpus / groups if cluster.colocate else gpus)

@@ -54,9 +54,9 @@ def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources |
     `resources` and `strategy` default to the recipe's `[cluster]` (`rank_resources`); with
     `system_metrics` every rank logs its system metrics to the run's MLflow run."""
     trainers = compute_trainer_configs(spec.config, checkpoint_dir)
-    resources = resources or rank_resources(spec.config.cluster, len(trainers))
-    strategy = strategy or spec.config.cluster.placement_strategy
     world_size = spec.config.train.world_size
+    resources = resources or rank_resources(spec.config.cluster, len(trainers), world_size)
+    strategy = strategy or spec.config.cluster.placement_strategy
     placement = rank_placement_group(world_size, resources, groups=len(trainers), strategy=strategy)
     made: dict[str, TrainerGroup] = {}
     try:  # every group's ranks start, load their models and join at once: start-up costs the slowest group

@@ -116,6 +116,9 @@ def test_a_recipe_that_is_not_text_names_the_file(tmp_path):
     (["distill", "--set", "model.family=video"], r"\[model\] family = 'video' is not a model family; choose"),
     (["serve", "--name", "nightly", "--set", "optim.lr=-1"], r"\[optim\] lr must be > 0"),
     (["evaluate", "--student", "no/such/student"], "--student no/such/student is not a directory; give"),
+    (["distill", "--set", "cluster.cpus_per_rank=1000"],  # what a local Ray could never place: not a 120 s wait
+     r"world_size = 1 with \[cluster\] cpus_per_rank = 1000 needs 1 bundles of 2000 CPUs .* a local Ray on this "
+     r"machine has \d+ CPUs \(it holds 0\): lower either, or unset \[cluster\] cpus_per_rank"),
 ])
 def test_bad_options_and_combinations_are_refused(tmp_path, argv, message):
     assert re.search(message, refusal(tmp_path, *argv))

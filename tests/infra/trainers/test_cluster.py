@@ -1,4 +1,5 @@
-"""[cluster] resources: what each rank asks Ray for, and a rank promised a GPU that sees none."""
+"""[cluster] resources: what each rank asks Ray for, what can never be placed, and a rank promised a GPU
+that sees none."""
 
 import time
 
@@ -6,7 +7,8 @@ import pytest
 import ray
 
 from dmd2.config import ClusterConfig
-from infra.trainers.cluster import rank_resources
+from dmd2.config import ConfigError
+from infra.trainers.cluster import RankResources, placeable_bundles, rank_placement_group, rank_resources
 from infra.trainers.stages import build_groups
 from tests.infra.trainers.ray_fixtures import new_store, run_spec, tiny_config, tiny_teacher  # noqa: F401
 
@@ -38,3 +40,31 @@ def test_a_rank_given_a_gpu_that_sees_none_fails_at_once_naming_the_option(ray_w
     while ray.available_resources().get("GPU") != 1.0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("GPU") == 1.0  # the placement group was given back
+
+
+def test_on_a_local_ray_the_default_cpus_are_an_equal_share_when_the_ranks_outnumber_them(ray_with_a_pretend_gpu,
+                                                                                         monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert rank_resources(ClusterConfig(), groups=2, world_size=2).num_cpus == 1.0  # 4 ranks, 4 CPUs
+    assert rank_resources(ClusterConfig(), groups=2, world_size=3).num_cpus == 0.6666  # 6 ranks share 4 CPUs
+    assert rank_resources(ClusterConfig(cpus_per_rank=3), groups=2, world_size=3).num_cpus == 3  # as asked
+    monkeypatch.setenv("RAY_ADDRESS", "auto")  # a joined cluster may grow: 1 CPU per rank, as before
+    assert rank_resources(ClusterConfig(), groups=2, world_size=3).num_cpus == 1.0
+
+
+def test_bundles_a_local_ray_can_never_hold_are_refused_at_once(ray_with_a_pretend_gpu, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # One node of 4 CPUs and 1 GPU: 4 bundles of 1 CPU, 1 of a GPU, 2 of 2 CPUs; one per node when spread strictly.
+    assert placeable_bundles({"CPU": 1.0}, "PACK") == 4
+    assert placeable_bundles({"CPU": 1.0, "GPU": 1.0}, "PACK") == 1
+    assert placeable_bundles({"CPU": 2.0}, "SPREAD") == 2
+    assert placeable_bundles({"CPU": 1.0}, "STRICT_SPREAD") == 1
+    began = time.monotonic()
+    with pytest.raises(ConfigError, match=r"\[train\] world_size = 3 needs 3 bundles of \{'CPU': 2.0, 'GPU': 1.0\}.*"
+                                          r"\(with CPU 4, GPU 1\) can hold 1: lower \[train\] world_size"):
+        rank_placement_group(3, RankResources(num_cpus=1.0, num_gpus=0.5), groups=2)
+    with pytest.raises(ConfigError, match=r"world_size = 2 .*STRICT_SPREAD.*can hold 1"):
+        rank_placement_group(2, RankResources(num_cpus=1), strategy="STRICT_SPREAD")
+    assert time.monotonic() - began < 5  # not the 120 s wait for a placement that never comes
+    group = rank_placement_group(4, RankResources(num_cpus=1))  # what fits is still placed
+    ray.util.remove_placement_group(group)
