@@ -131,8 +131,9 @@ def rank_placement_group(world_size: int, per_rank: RankResources, groups: int =
         has = ", ".join(f"{name} {total.get(name, 0):g}" for name in bundles[0])
         raise ConfigError(
             f"[train] world_size = {world_size} needs {world_size} bundles of {bundles[0]} ({groups} colocated "
-            f"group(s) per rank, {strategy}), but this machine's local Ray (with {has}) can hold {room}: lower [train] world_size or [cluster] cpus_per_rank / gpus_per_rank (or leave them unset: "
-            "the defaults fit the machine), or join a larger cluster with RAY_ADDRESS")
+            f"group(s) per rank, {strategy}), but this machine's local Ray (with {has}) can hold {room}: lower "
+            "[train] world_size or [cluster] cpus_per_rank / gpus_per_rank (or leave them unset: the defaults fit "
+            "the machine), or join a larger cluster with RAY_ADDRESS")
     group = placement_group(bundles, strategy=strategy)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
