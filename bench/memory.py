@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--world-size", type=int, default=8, help="ranks per group (GPUs of a node)")
     parser.add_argument("--batch", type=int, default=4, help="B: samples per rank per optimizer step")
     parser.add_argument("--resolution", type=int, default=1024, help="image side in pixels")
-    parser.add_argument("--layouts", default="fp32 ddp,bf16 fsdp ac", help="comma-separated '<fp32|bf16> <ddp|fsdp> [ac]'")
+    parser.add_argument("--layouts", default="fp32 ddp,bf16 fsdp ac",
+                        help="comma-separated '<fp32|bf16> <ddp|fsdp> [ac]' (ac: activation checkpointing)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     layouts = [Layout.parse(text) for text in args.layouts.split(",")]
