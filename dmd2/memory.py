@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.distributed._tools.common_utils import get_untyped_storages as storages  # DTensors: their shards'
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -34,18 +35,6 @@ RECOUNT_STEP = 1.005  # recount the categories when the total passes the last re
 
 def block_bytes(nbytes: int) -> int:
     return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
-
-
-def storages(tensor: Tensor) -> Iterator[torch.UntypedStorage]:
-    """The storages behind ``tensor``: its own, or a wrapper subclass's (a DTensor's local shard)."""
-    if is_traceable_wrapper_subclass(tensor):
-        names, _ = tensor.__tensor_flatten__()
-        for name in names:
-            inner = getattr(tensor, name)
-            if isinstance(inner, Tensor):
-                yield from storages(inner)
-    else:
-        yield tensor.untyped_storage()
 
 
 @dataclass(frozen=True)
@@ -174,7 +163,7 @@ class MemoryLedger(TorchDispatchMode):
             if entry is not None:
                 nbytes = block_bytes(storage.nbytes())
                 change, entry[0] = nbytes - entry[0], nbytes
-                ledger._grow(change, entry[1]) if change > 0 else ledger._free([-change, entry[1]])
+                ledger._grow(change, entry[1])  # a shrink is a negative growth: it never sets a peak
             return storage
 
         self._resize, torch.UntypedStorage.resize_ = resize, tracked_resize
