@@ -11,18 +11,20 @@ STAMP := $(VENV)/.installed-stamp
 # torch goes in first, through pip: on this pin pip takes the wheel the machine has (CPU here, CUDA on a
 # GPU box); a looser request would pull a multi-GB CUDA build. uv installs the rest (the locked uv, from
 # PyPI or UV_INDEX_URL): it resolves and unpacks the ~200 locked packages in seconds where pip takes
-# minutes. Neither compiles bytecode up front: Python compiles what it imports, on first import.
+# minutes. Everything goes in compiled to bytecode: where PYTHONDONTWRITEBYTECODE is set (this machine's
+# image sets it) Python never caches what it compiles, and every process (each Ray rank, each CLI) would
+# compile torch, diffusers and transformers again: ~17 s of CPU per process instead of ~7 (BENCHMARKS.md).
 # `make INSTALLER=pip ...` installs the rest with pip instead (for an index only pip.conf knows).
 INSTALLER ?= uv
 ifeq ($(INSTALLER),pip)
-INSTALL_REST := $(PY) -m pip install --quiet --no-compile
+INSTALL_REST := $(PY) -m pip install --quiet
 else
-INSTALL_REST := $(VENV)/bin/uv pip install --quiet --python $(PY)
+INSTALL_REST := $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY)
 endif
 
-$(STAMP): pyproject.toml requirements.lock
+$(STAMP): pyproject.toml requirements.lock Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile -c requirements.lock torch==2.13.0 uv
+	$(PY) -m pip install --quiet -c requirements.lock torch==2.13.0 uv
 	$(INSTALL_REST) -c requirements.lock -e '.[test]'
 	touch $(STAMP)
 
