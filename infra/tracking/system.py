@@ -23,7 +23,7 @@ class SystemMetrics:
         return cls(tracking_uri, mlflow_run_id, interval_s)
 
     def start(self, node_id: str):
-        """A running `SystemMetricsMonitor` of this process under ``node_id``; call `.finish()` at the end.
+        """A running `SystemMetricsMonitor` of this process under ``node_id``; `stop` it at the end.
 
         `resume_logging` continues the node's step count, so a resumed run logs no step twice.
         """
@@ -34,3 +34,13 @@ class SystemMetrics:
                                        node_id=node_id, tracking_uri=self.tracking_uri)
         monitor.start()
         return monitor
+
+
+def stop(monitor) -> None:
+    """Stop a monitor from `SystemMetrics.start` and log its last window too. MLflow's monitor logs a window
+    once its interval has passed, and its `finish` drops the window in progress: a rank that lives less than
+    one interval (a short run) would log nothing at all, and every run would lose its last seconds."""
+    monitor.finish()  # joins the sampling thread, so nothing else touches the samples now
+    if last_window := monitor.aggregate_metrics():  # the samples taken since the last logged window
+        monitor.publish_metrics(last_window)
+        monitor.mlflow_logger.flush()

@@ -45,7 +45,7 @@ from infra.store import ArtifactRef, ArtifactStore
 from infra.trainers.checkpoint import checkpoint_key, load_checkpoint, rng_state, save_checkpoint
 from infra.trainers.sharded import state_digest
 from infra.trainers.configs import TrainerConfig
-from infra.tracking.system import SystemMetrics
+from infra.tracking.system import SystemMetrics, stop
 
 logger = logging.getLogger(__name__)
 
@@ -396,6 +396,6 @@ class RankWorker:
 
     def shutdown(self) -> None:
         if self._system_metrics is not None:
-            self._system_metrics.finish()  # logs what it sampled since its last batch
+            stop(self._system_metrics)
         if dist.is_initialized():
             dist.destroy_process_group()
