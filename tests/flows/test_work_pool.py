@@ -106,7 +106,8 @@ def test_two_triggers_of_a_pooled_deployment_run_one_after_the_other_and_registe
         # The worker looks for queued runs every second, not every 10 s: the second run starts when the first ends.
         polling = {"PREFECT_WORKER_QUERY_SECONDS": "1"}
         worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "dmd2"], cwd=ROOT,
-                                  env=server.env | cluster | polling, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  env=server.env | cluster | polling, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 900
         while True:
             runs = server.api_call(lambda c: c.read_flow_runs())
