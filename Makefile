@@ -14,6 +14,7 @@ STAMP := $(VENV)/.installed-stamp
 # minutes. Everything goes in compiled to bytecode: where PYTHONDONTWRITEBYTECODE is set (this machine's
 # image sets it) Python never caches what it compiles, and every process (each Ray rank, each CLI) would
 # compile torch, diffusers and transformers again: ~17 s of CPU per process instead of ~7 (BENCHMARKS.md).
+# Installers compile only what they install: a .venv made before this needs `make clean-venv` once.
 # `make INSTALLER=pip ...` installs the rest with pip instead (for an index only pip.conf knows).
 INSTALLER ?= uv
 ifeq ($(INSTALLER),pip)
