@@ -70,15 +70,20 @@ def prepare_token_auth() -> None:
         return
     path = default_token_file()
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Written aside and linked into place: two local starts at once (two runs on one host) must never read
+    # a token file the other has created but not yet written. link(2) refuses an existing name: one wins.
+    staging = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}")
+    descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as file:
+            file.write(secrets.token_hex(32))  # Ray's own format: 256 random bits in hex
+        os.link(staging, path)
     except FileExistsError:
         if path.stat().st_mode & 0o077:
             logger.warning("%s was readable by other users; made it readable by its owner only", path)
             path.chmod(0o600)
-        return
-    with os.fdopen(descriptor, "w") as file:
-        file.write(secrets.token_hex(32))  # Ray's own format: 256 random bits in hex
+    finally:
+        staging.unlink()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ Every public method takes and returns `ArtifactRef`s (or small dicts of numbers)
 read from and written to the artifact store here, on the rank, never by the driver.
 """
 
+import faulthandler
 import logging
 import os
 import tempfile
@@ -93,6 +94,9 @@ class RankWorker:
     def __init__(self, trainer: TrainerConfig, spec: RunSpec, store: ArtifactStore, rank: int,
                  world_size: int, num_threads: int = 1, promised_gpus: float = 0.0,
                  system_metrics: SystemMetrics | None = None):
+        # A crash in native code (a collective, a kernel) prints every thread's Python stack to the rank's log:
+        # Ray's handler prints only the crashing thread's, often a native one (a gloo worker) with none.
+        faulthandler.enable(all_threads=True)
         # Several ranks share the node's cores: one thread each unless configured otherwise.
         torch.set_num_threads(num_threads)
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {trainer.role}[{rank}] %(name)s: %(message)s")

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import boto3
@@ -356,6 +357,23 @@ def test_rays_default_token_file_is_made_private(tmp_path, monkeypatch):
     token.chmod(0o644)  # as Ray writes it under the usual umask
     prepare_token_auth()
     assert token.stat().st_mode & 0o777 == 0o600
+
+
+def test_local_starts_at_once_all_read_the_one_whole_token(tmp_path, monkeypatch):
+    """Two runs starting local Rays on one host at once: none may read a token file another has created
+    but not yet written (Ray would start with an empty token)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+
+    def start() -> str:
+        prepare_token_auth()
+        return default_token_file().read_text()
+
+    with ThreadPoolExecutor(8) as pool:
+        tokens = list(pool.map(lambda _: start(), range(64)))
+    assert len(set(tokens)) == 1 and len(tokens[0]) == 64
+    assert [p.name for p in default_token_file().parent.iterdir()] == [default_token_file().name]  # no leftovers
 
 
 def test_the_local_ray_refuses_clients_without_its_token(shared_ray, tmp_path, monkeypatch):
