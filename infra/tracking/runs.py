@@ -32,6 +32,16 @@ def tracking_uri(explicit: str | None = None) -> str:
     return explicit or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
+def artifacts_beside(uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: for a sqlite database, ``mlruns`` beside the database file
+    (MLflow's own default is ``./mlruns`` of whatever directory the run starts in, which scatters a team's
+    artifacts and leaves them behind in checkouts); for a server, None (the server's artifact root)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    database = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])  # sqlite:////abs/db keeps its leading /
+    return (database.absolute().parent / "mlruns").as_uri()
+
+
 def flatten_params(nested: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """{"dmd2": {"critic_steps_per_rollout": 5}} -> {"dmd2.critic_steps_per_rollout": "5"}."""
     flat: dict[str, str] = {}
@@ -81,7 +91,8 @@ class RunTracker:
         """
         client = MlflowClient(move_credentials_to_environment(tracking_uri(uri)))
         found = client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+        experiment_id = found.experiment_id if found else client.create_experiment(
+            experiment, artifact_location=artifacts_beside(client.tracking_uri))
         runs = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}'", max_results=1)
         if runs:
             mlflow_run_id, previous = runs[0].info.run_id, runs[0].info.status

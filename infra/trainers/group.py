@@ -8,6 +8,7 @@ rollout's shard layout.
 """
 
 import logging
+import re
 from collections.abc import Collection
 from typing import Any
 
@@ -35,6 +36,21 @@ SETTLE_S = 10.0
 # What a broken or timed-out collective looks like on a surviving rank: gloo raises a plain RuntimeError
 # (NCCL a DistBackendError, or its watchdog ends the process).
 BROKEN_COLLECTIVE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
+
+
+def death_note(died: ray.exceptions.RayActorError) -> str:
+    """What Ray knows of a dead rank, and where its own last words are: its process's log, which holds the
+    Python stack of every thread when it crashed in native code (`RankWorker` enables faulthandler)."""
+    text = str(died)
+    first = text.splitlines()[0]
+    pid, ip = re.search(r"\bpid: (\d+)", text), re.search(r"\bip: (\S+)", text)
+    detail = re.search(r"Worker exit detail: (.+?\.)(?:\s|$)", text)
+    note = f"{type(died).__name__}: {detail.group(1) if detail else first}"
+    if pid:
+        where = f" on {ip.group(1)}" if ip else ""
+        note += (f"; its process was pid {pid.group(1)}{where}, whose log is worker-*-{pid.group(1)}.err in "
+                 "Ray's session logs there (by default /tmp/ray/session_latest/logs)")
+    return note
 
 
 class RecoverableError(RunError):
@@ -123,8 +139,7 @@ class TrainerGroup:
             try:
                 ray.get(call, timeout=0)
             except ray.exceptions.RayActorError as died:
-                return RankLostError(f"{self.role} rank {rank} died during {method} "
-                                     f"({type(died).__name__}: {str(died).splitlines()[0]})")
+                return RankLostError(f"{self.role} rank {rank} died during {method} ({death_note(died)})")
             except Exception:
                 continue
         cause = getattr(error, "cause", error)

@@ -57,3 +57,4 @@ def test_past_max_failures_the_run_fails_with_the_cause(prefect_server, tiny_tea
         distill(run_id="fragile", **common)
     assert killer.fired
     assert "max_failures = 0" in str(failure.value) and "after 1 rollouts" in str(failure.value)
+    assert f"pid {killer.result}" in str(failure.value)  # and where that process's log is (see death_note)

@@ -9,7 +9,7 @@ from infra.tracking.runs import RunTracker, flatten_params, tracking_uri
 
 @pytest.fixture
 def uri(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # MLflow puts a sqlite store's artifacts under ./mlruns
+    monkeypatch.chdir(tmp_path)  # whatever a test leaves in the working directory stays in its tmp_path
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
@@ -23,6 +23,24 @@ def test_tracking_uri_default_and_env(monkeypatch):
     assert tracking_uri() == "sqlite:///mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")
     assert tracking_uri() == "sqlite:///elsewhere.db" and tracking_uri("x") == "x"
+
+
+def test_a_sqlite_runs_artifacts_go_beside_its_database_not_into_the_working_directory(tmp_path, monkeypatch):
+    elsewhere = tmp_path / "started-here"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    database = tmp_path / "team" / "mlflow.db"
+    database.parent.mkdir()
+    tracker = RunTracker.start_or_resume("run-a", uri=f"sqlite:///{database}")
+    picture = tmp_path / "samples.txt"
+    picture.write_text("x")
+    tracker.client.log_artifact(tracker.mlflow_run_id, str(picture))
+    assert list((database.parent / "mlruns").rglob("samples.txt"))  # with the database
+    assert not any(elsewhere.iterdir())  # nothing left where the run happened to start
+    # the relative form (the default sqlite:///mlflow.db) is relative to where the database file is opened
+    monkeypatch.chdir(database.parent)
+    assert RunTracker.start_or_resume("run-b", uri="sqlite:///mlflow.db").client.get_experiment_by_name(
+        "dmd2").artifact_location == (database.parent / "mlruns").as_uri()
 
 
 def test_a_resumed_run_is_the_same_mlflow_run_and_logs_no_step_twice(uri):

@@ -6,14 +6,18 @@ One Ray for the module; every group is built from the tiny teacher and real torc
 import dataclasses
 import math
 import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
+import ray
 import torch
 from diffusers import AutoModel
 
 from dmd2.loop import InProcessDistiller
 from infra.trainers.cluster import RankResources, rank_placement_group
-from infra.trainers.group import TrainerGroup, TrainResult
+from infra.trainers.group import TrainerGroup, TrainResult, death_note
 from infra.trainers.hooks import HookError
 from infra.trainers.payloads import get_record
 from infra.trainers.stages import (Groups, actor_train_stage, build_groups, convert_stage, critic_train_stage,
@@ -294,3 +298,27 @@ def test_every_rank_logs_its_system_metrics_to_the_run_under_its_own_node_id(wor
     for node in ("actor-0", "critic-0"):
         assert any(key.startswith(f"system/{node}/cpu_utilization") for key in logged), sorted(logged)
         assert any(key.startswith(f"system/{node}/system_memory_usage") for key in logged), sorted(logged)
+
+
+def test_a_dead_ranks_error_names_its_process_and_its_log(shared_ray):
+    """What a user reads when a rank process dies (a native crash, the OOM killer): Ray's reason, the pid,
+    and where that process's own log is (with every thread's stack when it crashed in native code)."""
+
+    @ray.remote(num_cpus=0)
+    class Doomed:
+        def pid(self) -> int:
+            return os.getpid()
+
+        def wait(self) -> None:
+            time.sleep(60)
+
+    doomed = Doomed.remote()
+    pid = ray.get(doomed.pid.remote())
+    waiting = doomed.wait.remote()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ray.exceptions.RayActorError) as died:
+        ray.get(waiting, timeout=60)
+    note = death_note(died.value)
+    assert note.startswith("ActorDiedError: ") and "Worker unexpectedly exits" in note, note
+    assert f"pid {pid} on " in note and f"worker-*-{pid}.err in Ray's session logs" in note, note
+    assert list(Path("/tmp/ray/session_latest/logs").glob(f"worker-*-{pid}.err")), "the log the note names exists"
