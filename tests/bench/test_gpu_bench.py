@@ -23,7 +23,7 @@ TIMES = ("seconds_per_rollout", "seconds_per_critic_step", "seconds_per_actor_st
 
 
 @pytest.fixture(scope="module")
-def tiny_table(tmp_path_factory):
+def tiny_table(shared_ray, tmp_path_factory):  # the session's Ray: bench.gpu joins it rather than start its own
     path = tmp_path_factory.mktemp("bench") / "gpu.json"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

@@ -389,4 +389,3 @@ def test_the_local_ray_refuses_clients_without_its_token(shared_ray, tmp_path, m
         assert "InvalidAuthToken" in refused.stderr or "Unauthenticated" in refused.stderr, label
     insider = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # RAY_AUTH_MODE=token, ~/.ray's token
     assert "CONNECTED 2" in ray_client(address, insider).stdout
-    ray.shutdown()
