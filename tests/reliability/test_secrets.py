@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +39,7 @@ from flows.distill import distill
 from flows.recipe import check_run_id
 from infra.store import ArtifactStore, RunLease
 from infra.tracking.registry import MODEL_ID_TAG
+from infra.trainers import cluster
 from infra.trainers.cluster import default_token_file, ensure_ray, prepare_token_auth
 from tests.flows.conftest import write_recipe
 from tests.infra.conftest import BUCKET, REGION
@@ -365,6 +367,8 @@ def test_local_starts_at_once_all_read_the_one_whole_token(tmp_path, monkeypatch
     monkeypatch.setenv("HOME", str(tmp_path))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(name, raising=False)
+    token_hex = cluster.secrets.token_hex  # drawing the token takes a while: a half-made file would be seen
+    monkeypatch.setattr(cluster.secrets, "token_hex", lambda n: (time.sleep(0.02), token_hex(n))[1])
 
     def start() -> str:
         prepare_token_auth()
