@@ -37,6 +37,20 @@ class DiffusersVelocity:
         return self.model(**{self._input_name: x_s}, timestep=t, **cond, return_dict=False)[0]
 
 
+class HostCalls:
+    """A velocity fn whose model lives on ``device``, called with host tensors: for the evaluators,
+    whose samplers and statistics are host code. Stages never use it: their tensors live on the device."""
+
+    def __init__(self, velocity: VelocityFn, device: torch.device):
+        self.velocity, self.device = velocity, device
+
+    def __call__(self, x_s: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        if self.device.type == "cpu":
+            return self.velocity(x_s, sigma, cond)
+        cond = {k: v.to(self.device) for k, v in cond.items()}
+        return self.velocity(x_s.to(self.device), sigma.to(self.device), cond).to(x_s.device)
+
+
 def load_pretrained(path: str, dtype: torch.dtype | None = None) -> nn.Module:
     """A diffusers model from a `save_pretrained` directory (or a hub id the machine can reach), in `dtype`.
 

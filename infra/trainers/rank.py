@@ -30,7 +30,7 @@ from dmd2.family import RunSpec
 from dmd2.gan import attach_gan_head, tapped
 from dmd2.hooks import score
 from dmd2.lora import with_role_adapters
-from dmd2.model import VelocityFn
+from dmd2.model import HostCalls, VelocityFn
 from dmd2.plan import RolloutPlan, rollout_plan
 from dmd2.precision import Autocast
 from dmd2.rollout import rollout_shard
@@ -72,20 +72,6 @@ class EvalResult:
 def _pictures(media: dict[str, np.ndarray]) -> dict[str, Tensor]:
     """An evaluator's uint8 pictures as tensors the store can hold."""
     return {name: torch.from_numpy(np.ascontiguousarray(picture)) for name, picture in media.items()}
-
-
-class HostCalls:
-    """A velocity fn whose model lives on ``device``, called with host tensors: for the evaluators,
-    whose samplers and statistics are host code. Stages never use it: their tensors live on the device."""
-
-    def __init__(self, velocity: VelocityFn, device: torch.device):
-        self.velocity, self.device = velocity, device
-
-    def __call__(self, x_s: Tensor, sigma: Tensor, cond: dict[str, Tensor]) -> Tensor:
-        if self.device.type == "cpu":
-            return self.velocity(x_s, sigma, cond)
-        cond = {k: v.to(self.device) for k, v in cond.items()}
-        return self.velocity(x_s.to(self.device), sigma.to(self.device), cond).to(x_s.device)
 
 
 class RankWorker:
