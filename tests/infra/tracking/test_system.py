@@ -11,7 +11,7 @@ from infra.tracking.system import SystemMetrics, stop
 
 @pytest.fixture
 def tracker(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # MLflow puts a sqlite store's artifacts under ./mlruns
+    monkeypatch.chdir(tmp_path)  # whatever a test leaves in the working directory stays in its tmp_path
     return RunTracker.start_or_resume("run-s", uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
 
 
