@@ -1,18 +1,20 @@
-"""System metrics of the ranks in the run's MLflow run: CPU, memory, disk, network and (with NVML) GPU,
-one MLflow node id per rank (`system/<role>-<rank>/...`), sampled by MLflow's own monitor."""
+"""System metrics of the run's nodes in its MLflow run: CPU, memory, disk, network and (with NVML) every GPU,
+sampled by MLflow's own monitor in one rank per node, under the node's label (`system/<ip>-<node id>/...`)."""
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
 @dataclass(frozen=True)
 class SystemMetrics:
-    """Where a rank logs its system metrics; plain values, so it travels to the rank workers."""
+    """Where a rank logs its node's system metrics, and under which label; plain values, so it travels to the
+    rank workers."""
 
     tracking_uri: str
     mlflow_run_id: str
     interval_s: float = 10.0
+    node: str = "node"
 
     @classmethod
     def of(cls, tracking_uri: str, mlflow_run_id: str, interval_s: float = 10.0) -> "SystemMetrics":
@@ -22,16 +24,20 @@ class SystemMetrics:
             tracking_uri = prefix + str(Path(tracking_uri[len(prefix):]).resolve())
         return cls(tracking_uri, mlflow_run_id, interval_s)
 
-    def start(self, node_id: str):
-        """A running `SystemMetricsMonitor` of this process under ``node_id``; `stop` it at the end.
+    def on(self, node: str) -> "SystemMetrics":
+        """The same, labelled ``node``."""
+        return replace(self, node=node)
+
+    def start(self):
+        """A running `SystemMetricsMonitor` of this node under its label; `stop` it at the end.
 
         `resume_logging` continues the node's step count, so a resumed run logs no step twice.
         """
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # only ranks that log need it
 
-        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # a line per rank otherwise
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # a line per node otherwise
         monitor = SystemMetricsMonitor(self.mlflow_run_id, sampling_interval=self.interval_s, resume_logging=True,
-                                       node_id=node_id, tracking_uri=self.tracking_uri)
+                                       node_id=self.node, tracking_uri=self.tracking_uri)
         monitor.start()
         return monitor
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
 from dmd2.config import ClusterConfig, ConfigError
 
@@ -149,6 +149,16 @@ def rank_placement_group(world_size: int, per_rank: RankResources, groups: int =
             "or add nodes"
         )
     return group
+
+
+def first_bundle_on_each_node(group: PlacementGroup) -> dict[int, str]:
+    """{bundle index: node label} for the lowest bundle of ``group`` on each node it spans; the label is the
+    node's IP and the start of its Ray node id (`ray list nodes`), unique even for nodes sharing a host."""
+    first: dict[str, int] = {}
+    for bundle, node in sorted(placement_group_table(group)["bundles_to_node_id"].items()):
+        first.setdefault(node, bundle)
+    ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    return {bundle: f"{ips.get(node, 'node')}-{node[:6]}" for node, bundle in first.items()}
 
 
 def rank_resources(cluster: ClusterConfig, groups: int, world_size: int = 1) -> RankResources:

@@ -9,7 +9,7 @@ rollout's shard layout.
 
 import logging
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import ray
@@ -72,12 +72,13 @@ class TrainerGroup:
     ``placement`` puts rank i on bundle i of a placement group (shared with the other groups to
     colocate them); without it Ray schedules each rank by ``resources`` alone. With ``wait=False`` the
     rank workers are only started: `join` and `wait_ready` finish the group, so that several groups can
-    start, load and join side by side (`build_groups`).
+    start, load and join side by side (`build_groups`). ``system_metrics``: by rank, the ranks that log
+    their node's system metrics (`infra.tracking.system`).
     """
 
     def __init__(self, trainer: TrainerConfig, spec: RunSpec, store: ArtifactStore, world_size: int,
                  resources: RankResources = RankResources(), placement: PlacementGroup | None = None,
-                 num_threads: int = 1, system_metrics: SystemMetrics | None = None, wait: bool = True):
+                 num_threads: int = 1, system_metrics: Mapping[int, SystemMetrics] | None = None, wait: bool = True):
         if world_size != spec.config.train.world_size:
             raise ValueError(f"a {trainer.role} group of world size {world_size} cannot run a rollout planned for "
                              f"[train] world_size = {spec.config.train.world_size}: make them equal")
@@ -91,7 +92,7 @@ class TrainerGroup:
             options = dict(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
                            resources=dict(resources.custom), scheduling_strategy=strategy)
             self.ranks.append(worker.options(**options).remote(trainer, spec, store, rank, world_size, num_threads,
-                                                                   resources.num_gpus, system_metrics))
+                                                                   resources.num_gpus, (system_metrics or {}).get(rank)))
         self.rendezvous: tuple[str, int] | None = None
         self._joining: list[ray.ObjectRef] = []
         if wait:

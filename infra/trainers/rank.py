@@ -95,7 +95,7 @@ class RankWorker:
         self._evaluator = None
         self._sleeping, self._teacher_host = HostCopy(), HostCopy()
         self.sharded = spec.config.train.parallel == "fsdp"
-        self._system_metrics = system_metrics.start(f"{trainer.role}-{rank}") if system_metrics else None
+        self._system_metrics = system_metrics.start() if system_metrics else None
 
     # -- setup ----------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from dmd2.family import RunSpec
 from dmd2.hooks import summarize_critic
-from infra.trainers.cluster import RankResources, rank_placement_group, rank_resources
+from infra.trainers.cluster import RankResources, first_bundle_on_each_node, rank_placement_group, rank_resources
 from infra.trainers.group import TrainerGroup, TrainResult
 from infra.store import ArtifactRef, ArtifactStore
 from infra.tracking.system import SystemMetrics
@@ -51,18 +51,22 @@ def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources |
                  system_metrics: SystemMetrics | None = None) -> Groups:
     """The groups of the trainer config list: rank i of each on bundle i of one placement group.
 
-    `resources` and `strategy` default to the recipe's `[cluster]` (`rank_resources`); with
-    `system_metrics` every rank logs its system metrics to the run's MLflow run."""
+    `resources` and `strategy` default to the recipe's `[cluster]` (`rank_resources`). With `system_metrics`
+    each node's system metrics go to the run's MLflow run, logged by the first actor rank placed there: MLflow's
+    monitor samples the whole node (all its CPUs, every GPU through NVML), so one per rank would log each node's
+    figures once per rank, and pay MLflow's import in every rank process."""
     trainers = compute_trainer_configs(spec.config, checkpoint_dir)
     world_size = spec.config.train.world_size
     resources = resources or rank_resources(spec.config.cluster, len(trainers), world_size)
     strategy = strategy or spec.config.cluster.placement_strategy
     placement = rank_placement_group(world_size, resources, groups=len(trainers), strategy=strategy)
+    monitors = ({rank: system_metrics.on(node) for rank, node in first_bundle_on_each_node(placement).items()}
+                if system_metrics is not None else {})
     made: dict[str, TrainerGroup] = {}
     try:  # every group's ranks start, load their models and join at once: start-up costs the slowest group
         for trainer in trainers:
             made[trainer.role] = TrainerGroup(trainer, spec, store, world_size, resources, placement, num_threads,
-                                              system_metrics, wait=False)
+                                              monitors if trainer.role == "actor" else {}, wait=False)
         taken: list[tuple[str, int]] = []
         for group in made.values():
             taken.append(group.join(taken).rendezvous)

@@ -8,7 +8,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from infra.trainers.cluster import RankResources, ensure_ray
+from infra.trainers.cluster import RankResources, ensure_ray, first_bundle_on_each_node
 from infra.trainers.stages import build_groups, run_rollout_on_groups
 from tests.infra.trainers.ray_fixtures import run_spec, new_store, tiny_config, tiny_teacher  # noqa: F401
 
@@ -29,12 +29,18 @@ def two_nodes():
 
 
 def train_on(task, store, strategy: str) -> tuple[list[str], dict[str, list[str]]]:
-    """Two rollouts at world size 2; returns the actor ranks' node ids and every group's state digests."""
+    """Two rollouts at world size 2; returns the actor ranks' node ids and every group's state digests. Checks
+    that the ranks chosen to log system metrics (one per node: `first_bundle_on_each_node`) are the first rank
+    on each node, as the ranks themselves report their nodes."""
     groups = build_groups(task, store, RankResources(num_cpus=0.5), strategy=strategy)
     try:
         for rollout_id in range(2):
             run_rollout_on_groups(groups, "run", rollout_id)
         assert groups.critic.node_ids() == groups.actor.node_ids()  # rank i of both groups on bundle i
+        nodes = groups.actor.node_ids()
+        first = {node: nodes.index(node) for node in nodes}
+        assert {rank: label[-6:] for rank, label in first_bundle_on_each_node(groups.placement).items()} == {
+            rank: node[:6] for node, rank in first.items()}
         return groups.actor.node_ids(), {g.role: g.state_digests() for g in groups.in_order()}
     finally:
         groups.shutdown()
