@@ -19,7 +19,7 @@ from dmd2.gan import generator_surrogate
 from dmd2.model import VelocityFn
 from dmd2.schedule import x0_from_velocity
 from dmd2.scoring import Scores
-from dmd2.tensors import select_rows
+from dmd2.tensors import figure, on_host, select_rows
 
 
 def dmd_gradient(x0_hat: Tensor, x0_real: Tensor, x0_fake: Tensor) -> tuple[Tensor, Tensor]:
@@ -34,14 +34,17 @@ def dmd_gradient(x0_hat: Tensor, x0_real: Tensor, x0_fake: Tensor) -> tuple[Tens
 
 def align_scores(pairs: TrainPairs, scores: Scores) -> Scores:
     """Scores reordered to the pairs' sample order; every pair must have exactly one score."""
-    order = {int(index): row for row, index in enumerate(scores.sample_index)}
-    missing = [int(i) for i in pairs.sample_index if int(i) not in order]
+    with on_host():  # sample indices are host data
+        scored, wanted = scores.sample_index.tolist(), pairs.sample_index.tolist()
+    order = {index: row for row, index in enumerate(scored)}
+    missing = [i for i in wanted if i not in order]
     if missing or len(order) != len(pairs):
         raise ValueError(
             f"the critic's scores do not cover the actor's samples: missing {missing[:5]}, "
             f"{len(order)} scores for {len(pairs)} samples; the actor trains on exactly the critic's last step"
         )
-    rows = torch.tensor([order[int(i)] for i in pairs.sample_index])
+    with on_host():
+        rows = torch.tensor([order[i] for i in wanted])
     return dataclasses.replace(select_rows(scores, rows), sample_index=pairs.sample_index)
 
 
@@ -59,10 +62,10 @@ def actor_loss(student: VelocityFn, pairs: TrainPairs, scores: Scores,
     g, normaliser = dmd_gradient(x0_hat, scores.x0_real, scores.x0_fake)
     loss = 0.5 * F.mse_loss(x0_hat.float(), (x0_hat.float() - g).detach())
     metrics = {
-        "dmd_grad_abs": g.abs().mean().item(),
-        "dmd_normaliser": normaliser.mean().item(),
-        "x0_recompute_max_diff": (x0_hat.detach() - pairs.x0).abs().max().item(),
-        "score_sigma": scores.sigma.mean().item(),
+        "dmd_grad_abs": figure(g.abs().mean()),
+        "dmd_normaliser": figure(normaliser.mean()),
+        "x0_recompute_max_diff": figure((x0_hat.detach() - pairs.x0).abs().max()),
+        "score_sigma": figure(scores.sigma.mean()),
     }
     if gan_weight > 0:
         if scores.gan_grad is None:
@@ -70,5 +73,5 @@ def actor_loss(student: VelocityFn, pairs: TrainPairs, scores: Scores,
                              "group scores without gan_weight (a different recipe?)")
         g_loss = generator_surrogate(x0_hat, scores.gan_grad, scores.gan_logit)
         loss = loss + gan_weight * g_loss
-        metrics["gan_g_loss"] = g_loss.item()
+        metrics["gan_g_loss"] = figure(g_loss)
     return loss, metrics

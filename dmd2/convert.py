@@ -7,6 +7,7 @@ from torch import Tensor
 from dmd2.model import Cond
 from dmd2.rollout import RolloutSamples
 from dmd2.schedule import timestep
+from dmd2.tensors import on_host
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ def samples_to_train_pairs(samples: RolloutSamples, num_steps: int) -> TrainPair
 
     A full trajectory (step_index == num_steps) has no student step to train and is rejected.
     """
-    full = (samples.step_index >= num_steps).nonzero().squeeze(1)
+    with on_host():
+        full = (samples.step_index >= num_steps).nonzero().squeeze(1)
     if full.numel():
         raise ValueError(
             f"{full.numel()} of {len(samples)} samples ran the full {num_steps}-step trajectory "

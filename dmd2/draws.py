@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dmd2.tensors import on_host
 
 Device = torch.device | str
 
@@ -38,20 +39,26 @@ class RolloutDraws:
             raise IndexError(f"sample index {bad[0]} is outside the rollout's global batch of {self.global_size}")
         return [seeded_generator(self.seed, self.rollout_id, stream, row) for row in rows]
 
-    # Drawn on the CPU and moved once: the same numbers on every device, one host-to-device copy per draw.
+    # Drawn on the CPU (`on_host`) and moved once: the same numbers on every device, one host-to-device copy per draw.
     def normal(self, stream: str, rows: Tensor, sample_shape: tuple[int, ...], device: Device = "cpu") -> Tensor:
         """Standard normal noise of shape [len(rows), *sample_shape], on `device`."""
-        draws = [torch.randn(sample_shape, generator=g) for g in self._generators(stream, rows)]
-        return (torch.stack(draws) if draws else torch.empty((0, *sample_shape))).to(device)
+        with on_host():
+            draws = [torch.randn(sample_shape, generator=g) for g in self._generators(stream, rows)]
+            drawn = torch.stack(draws) if draws else torch.empty((0, *sample_shape))
+        return drawn.to(device)
 
     def uniform(self, stream: str, rows: Tensor, device: Device = "cpu") -> Tensor:
         """U[0, 1) per row, shape [len(rows)], on `device`."""
-        return torch.tensor([torch.rand((), generator=g).item() for g in self._generators(stream, rows)]).to(device)
+        with on_host():
+            drawn = torch.tensor([torch.rand((), generator=g).item() for g in self._generators(stream, rows)])
+        return drawn.to(device)
 
     def integers(self, stream: str, high: int, rows: Tensor, device: Device = "cpu") -> Tensor:
         """Uniform integers in [0, high) per row, int64 [len(rows)], on `device`."""
-        return torch.tensor([torch.randint(high, (), generator=g).item() for g in self._generators(stream, rows)],
-                            dtype=torch.int64).to(device)
+        with on_host():
+            drawn = torch.tensor([torch.randint(high, (), generator=g).item()
+                                  for g in self._generators(stream, rows)], dtype=torch.int64)
+        return drawn.to(device)
 
 
 def shard_rows(rank: int, world_size: int, steps: int, batch: int) -> Tensor:
@@ -61,6 +68,7 @@ def shard_rows(rank: int, world_size: int, steps: int, batch: int) -> Tensor:
     [j*W*B + r*B, j*W*B + (r+1)*B). So a world of W ranks at B per rank trains on exactly the samples
     one rank at W*B would.
     """
-    step = torch.arange(steps).repeat_interleave(batch)
-    within = torch.arange(batch).repeat(steps)
-    return step * world_size * batch + rank * batch + within
+    with on_host():
+        step = torch.arange(steps).repeat_interleave(batch)
+        within = torch.arange(batch).repeat(steps)
+        return step * world_size * batch + rank * batch + within

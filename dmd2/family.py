@@ -182,6 +182,27 @@ class ModelFamily:
         `[train] mixed_precision = "bf16"`), loaded straight into it; None is the family's default (fp32)."""
         raise NotImplementedError
 
+    def model_on_meta(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:
+        """`load_model(path, dtype)`'s architecture on the meta device, made from its config alone (no weight is
+        read): what `dmd2 plan` gives fake storage and measures."""
+        from dmd2.model import architecture
+
+        return architecture(path, dtype)
+
+    def plan_spec(self, config: DistillConfig) -> RunSpec:
+        """The run's spec for `dmd2 plan`: the sample shape and the conditioning, without reading the run's data
+        or preparing anything (`plan_bind` stands in for the prepared inputs)."""
+        return self.run_spec(config, default_cache_dir())
+
+    def plan_bind(self, config: DistillConfig, device: torch.device | str) -> "ModelFamily":
+        """This family bound (`bind`) to prepared inputs of their real shapes, zero-filled (fake under `dmd2 plan`)."""
+        return self.bind({}, device)
+
+    def conditioning_tensors(self) -> list[Tensor]:
+        """The tensors the bound family keeps on the device (prepared conditioning, real samples): `dmd2 plan`
+        counts them as conditioning."""
+        return []
+
     def real_source(self, spec: RunSpec) -> RealSource | None:
         """The GAN's real samples on a rank, asked of the bound family (`bind`): the driver's `spec.real` unless
         the family keeps them in its prepared inputs. None: the run has none."""

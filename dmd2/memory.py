@@ -11,6 +11,7 @@ Categories: `weights` (the trained model's parameters and buffers, as registered
 `teacher` and `conditioning` (registered with `label`), `activations` (what a forward with grad enabled
 allocates and backward has not yet freed) and `temporaries` (everything else: backward's intermediates,
 no-grad forwards, gathered FSDP weights). Sizes round up to the CUDA caching allocator's 512-byte blocks.
+What a group parks in host memory while it sleeps (`park`, `unpark`) leaves the device's totals meanwhile.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class MemoryLedger(TorchDispatchMode):
         self._entries = WeakIdKeyDictionary()  # storage -> [nbytes, category]
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
+        self.parked = 0  # bytes parked in host memory (`park`), not on the device
         self.peaks: list[StagePeak] = []
         self._peak = self._recounted = 0
         self._at_peak: dict[str, int] = {}
@@ -80,6 +82,31 @@ class MemoryLedger(TorchDispatchMode):
             for storage in storages(tensor):
                 self._add(storage, category, relabel=True)
 
+    def park(self, tensors: Iterable[Tensor]) -> None:
+        """``tensors`` move to host memory, as a sleeping group's do: they stop counting on the device."""
+        for entry in self._entries_of(tensors):
+            if not entry[2]:
+                entry[2] = True
+                self._grow(-entry[0], entry[1])
+                self.parked += entry[0]
+
+    def unpark(self, tensors: Iterable[Tensor]) -> None:
+        """``tensors`` come back to the device (a group wakes)."""
+        for entry in self._entries_of(tensors):
+            if entry[2]:
+                entry[2] = False
+                self.parked -= entry[0]
+                self._grow(entry[0], entry[1])
+
+    def _entries_of(self, tensors: Iterable[Tensor]) -> Iterator[list]:
+        seen = set()
+        for tensor in tensors:
+            for storage in storages(tensor):
+                entry = self._entries.get(storage)
+                if entry is not None and id(entry) not in seen:
+                    seen.add(id(entry))
+                    yield entry
+
     # -- stages ----------------------------------------------------------------------------------------
 
     @contextmanager
@@ -100,17 +127,21 @@ class MemoryLedger(TorchDispatchMode):
         entry = self._entries.get(storage)
         if entry is not None:
             if relabel and entry[1] != category:
-                self.totals[entry[1]] -= entry[0]
-                self.totals[category] += entry[0]
+                if not entry[2]:
+                    self.totals[entry[1]] -= entry[0]
+                    self.totals[category] += entry[0]
                 entry[1] = category
             return
         nbytes = block_bytes(storage.nbytes())
-        entry = [nbytes, category]
+        entry = [nbytes, category, False]  # bytes, category, parked
         self._entries[storage] = entry
         weakref.finalize(storage, self._free, entry)
         self._grow(nbytes, category)
 
     def _free(self, entry: list) -> None:
+        if entry[2]:
+            self.parked -= entry[0]
+            return
         self.totals[entry[1]] -= entry[0]
         self.total -= entry[0]
 
@@ -163,7 +194,10 @@ class MemoryLedger(TorchDispatchMode):
             if entry is not None:
                 nbytes = block_bytes(storage.nbytes())
                 change, entry[0] = nbytes - entry[0], nbytes
-                ledger._grow(change, entry[1])  # a shrink is a negative growth: it never sets a peak
+                if entry[2]:
+                    ledger.parked += change
+                else:
+                    ledger._grow(change, entry[1])  # a shrink is a negative growth: it never sets a peak
             return storage
 
         self._resize, torch.UntypedStorage.resize_ = resize, tracked_resize

@@ -69,6 +69,22 @@ def load_pretrained(path: str, dtype: torch.dtype | None = None) -> nn.Module:
     return AutoModel.from_pretrained(str(path), low_cpu_mem_usage=True, torch_dtype=dtype, use_safetensors=True)
 
 
+def architecture(path: str, dtype: torch.dtype | None = None, subfolder: str | None = None) -> nn.Module:
+    """The diffusers model of a `save_pretrained` directory (or hub id), built from its `config.json` alone on the
+    meta device, in `dtype`: no weight is read. What `dmd2 plan` measures (infra/trainers/memory_plan.py)."""
+    import diffusers  # slow to import; only model building needs it
+
+    config = diffusers.AutoModel.load_config(str(path), subfolder=subfolder)
+    return on_meta(getattr(diffusers, config["_class_name"]), config, dtype)
+
+
+def on_meta(model_class: type, config: dict, dtype: torch.dtype | None = None) -> nn.Module:
+    """``model_class.from_config(config)`` on the meta device, in ``dtype`` (None: fp32)."""
+    with torch.device("meta"):
+        model = model_class.from_config(config)
+    return model.to(dtype) if dtype is not None else model
+
+
 _PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 

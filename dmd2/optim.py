@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from dmd2.failures import NonFiniteError
+from dmd2.tensors import figure, on_host
 
 # (loss, grad norm) of this rank -> those of every rank, one row each (a data-parallel group's gather).
 GatherFigures = Callable[[Tensor], Tensor]
@@ -53,15 +54,18 @@ def optimizer_step(
     loss.backward()
     max_norm = grad_clip if grad_clip else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    figures = torch.tensor([loss.item(), grad_norm.item()], dtype=torch.float64)
-    every_rank = gather(figures) if gather is not None else figures[None]
-    if not torch.isfinite(every_rank).all():
+    loss_value, norm_value = figure(loss), figure(grad_norm)
+    with on_host():  # figures on the host: every rank's, when a data-parallel group gathers them
+        figures = torch.tensor([loss_value, norm_value], dtype=torch.float64)
+        every_rank = gather(figures) if gather is not None else figures[None]
+        finite = bool(torch.isfinite(every_rank).all())
+    if not finite:
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteError(_describe(every_rank))
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
-    return {"loss": figures[0].item(), "grad_norm": figures[1].item(), "lr": lr}
+    return {"loss": loss_value, "grad_norm": norm_value, "lr": lr}
 
 
 def _describe(every_rank: Tensor) -> str:

@@ -16,6 +16,7 @@ from dmd2.draws import shard_rows
 from dmd2.model import Cond, VelocityFn, cond_rows
 from dmd2.plan import RolloutPlan
 from dmd2.schedule import add_noise, student_sigmas, x0_from_velocity
+from dmd2.tensors import on_host
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ def backward_simulate(
     ``lockstep`` makes exactly N student calls whatever the stop indices, as a sharded (FSDP) student
     needs: its every forward is a collective, so all ranks must step through the grid together. A step
     with no sample left still runs, on one row whose result is dropped (a model cannot take 0 rows).
-    The stop indices live on the host (`stop_index` is read to pick rows: no device sync).
+    The stop indices live on the host (`stop_index` is read to pick rows: no device sync), and every row
+    choice is an index list made there (`on_host`), never a mask of device data.
     """
     num_steps = sigmas.shape[0]
     device = noise.device
@@ -67,9 +69,14 @@ def backward_simulate(
     x = noise.clone()
     x_i, x0_hat = torch.empty_like(noise), torch.empty_like(noise)
     sigma_i = torch.zeros(noise.shape[0], device=device)
-    stop_index = stop_index.cpu()
+    with on_host():
+        stop_index = stop_index.cpu()
     for j in range(num_steps):
-        rows = (stop_index >= j).nonzero().squeeze(1)
+        with on_host():  # the samples still running at step j; of them, which stop here and which go on
+            rows = (stop_index >= j).nonzero().squeeze(1)
+            stops = stop_index[rows] == j
+            stopping, going = stops.nonzero().squeeze(1), (~stops).nonzero().squeeze(1)
+            stop_rows, goes_on = rows[stopping], rows[going]
         if rows.numel() == 0:
             if not lockstep:
                 break
@@ -78,30 +85,30 @@ def backward_simulate(
             continue
         sigma = sigmas[j].expand(rows.numel())
         x0 = x0_from_velocity(x[rows], sigma, student(x[rows], sigma, cond_rows(cond, rows)))
-        stops = stop_index[rows] == j
-        x_i[rows[stops]], x0_hat[rows[stops]], sigma_i[rows[stops]] = x[rows[stops]], x0[stops], sigmas[j]
-        goes_on = rows[~stops]
+        x_i[stop_rows], x0_hat[stop_rows], sigma_i[stop_rows] = x[stop_rows], x0[stopping], sigmas[j]
         if j + 1 < num_steps:
             next_sigma = sigmas[j + 1].expand(goes_on.numel())
-            x[goes_on] = add_noise(x0[~stops], renoise[j][goes_on], next_sigma)
+            x[goes_on] = add_noise(x0[going], renoise[j][goes_on], next_sigma)
         else:  # the last step lands on sigma = 0: the prediction is the sample
-            x[goes_on] = x0[~stops]
-    done = stop_index == num_steps
+            x[goes_on] = x0[going]
+    with on_host():
+        done = (stop_index == num_steps).nonzero().squeeze(1)
     x_i[done], x0_hat[done] = x[done], x[done]
     return x_i, x0_hat, sigma_i
 
 
 def stop_indices(plan: RolloutPlan, rows: Tensor) -> Tensor:
     """Each sample's stop step i [M]: uniform over the N steps, or with P(i) proportional to
-    `plan.stop_weights[i]`, by the inverse CDF of the sample's own uniform draw.
+    `plan.stop_weights[i]`, by the inverse CDF of the sample's own uniform draw. Host data (`on_host`).
 
     Weighting the later steps trains more often where the student's final output is made: every step's
     sample reaches the output through the steps after it, the last step's directly."""
-    if not plan.stop_weights:
-        return plan.draws.integers("stop", plan.num_steps, rows)
-    weights = torch.tensor(plan.stop_weights, dtype=torch.float64)
-    cdf = (weights.cumsum(0) / weights.sum())[:-1]
-    return torch.bucketize(plan.draws.uniform("stop", rows).double(), cdf, right=True)
+    with on_host():
+        if not plan.stop_weights:
+            return plan.draws.integers("stop", plan.num_steps, rows)
+        weights = torch.tensor(plan.stop_weights, dtype=torch.float64)
+        cdf = (weights.cumsum(0) / weights.sum())[:-1]
+        return torch.bucketize(plan.draws.uniform("stop", rows).double(), cdf, right=True)
 
 
 def rollout_shard(student: VelocityFn, conds: CondSource, plan: RolloutPlan, rank: int,

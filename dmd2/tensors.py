@@ -6,10 +6,13 @@ None) that is None is not stored, and comes back None.
 """
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Iterable, TypeVar
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 Record = TypeVar("Record")
 
@@ -46,6 +49,22 @@ def from_tensor_dict(record_type: type[Record], flat: dict[str, Tensor]) -> Reco
     return record_type(**values)
 
 
+@contextmanager
+def on_host() -> Iterator[None]:
+    """Host bookkeeping (sample indices, random draws, stop steps) runs on real tensors, even while `dmd2 plan`
+    runs the device work on fake ones (torch's `FakeTensorMode`): it is small, and its values decide shapes."""
+    with unset_fake_temporarily():
+        yield
+
+
+def figure(tensor: Tensor) -> float:
+    """A one-element tensor's value, for metrics and checks; 0.0 for a fake tensor (a plan has no values)."""
+    return 0.0 if is_fake(tensor) else tensor.item()
+
+
+HOST_FIELDS = frozenset({"sample_index"})  # bookkeeping keys the host reads (draws, matching scores to pairs)
+
+
 def select_rows(record: Record, rows: Tensor | slice) -> Record:
     """The same record restricted to some rows (every field is batched along dim 0)."""
     picked = {}
@@ -53,12 +72,12 @@ def select_rows(record: Record, rows: Tensor | slice) -> Record:
         value = getattr(record, field.name)
         if value is None:
             picked[field.name] = None
+        elif field.name in HOST_FIELDS:
+            with on_host():
+                picked[field.name] = value[rows]
         else:
             picked[field.name] = {k: v[rows] for k, v in value.items()} if isinstance(value, dict) else value[rows]
     return type(record)(**picked)
-
-
-HOST_FIELDS = frozenset({"sample_index"})  # bookkeeping keys the host reads (draws, matching scores to pairs)
 
 
 def to_device(record: Record, device: torch.device | str) -> Record:
@@ -83,9 +102,10 @@ def to_device(record: Record, device: torch.device | str) -> Record:
 
 def non_finite(named: Iterable[tuple[str, Tensor]]) -> str | None:
     """The first floating-point tensor holding a NaN or an infinity, described ("name: 3 of 4096 values
-    not finite"), or None when all are finite. Checked before anything is stored."""
+    not finite"), or None when all are finite (and for fake tensors, which hold no values). Checked before
+    anything is stored."""
     for name, tensor in named:
-        if tensor.is_floating_point():
+        if tensor.is_floating_point() and not is_fake(tensor):
             finite = torch.isfinite(tensor)
             if not bool(finite.all()):
                 first = tensor[~finite].reshape(-1)[0].item()

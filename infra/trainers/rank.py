@@ -27,19 +27,18 @@ from torch import Tensor, nn
 from dmd2.convert import samples_to_train_pairs
 from dmd2.failures import NonFiniteError
 from dmd2.family import RunSpec
-from dmd2.gan import attach_gan_head, tapped
+from dmd2.gan import tapped
 from dmd2.hooks import score
-from dmd2.lora import with_role_adapters
 from dmd2.model import HostCalls, VelocityFn
 from dmd2.plan import RolloutPlan, rollout_plan
-from dmd2.precision import Autocast
 from dmd2.rollout import rollout_shard
 from dmd2.tensors import non_finite
 from dmd2.trainer import HookContext, train_state, train_steps
 from infra.trainers.collective import gather_rows, on_every_rank, on_rank0
 from infra.trainers.hooks import resolve_hooks
+from infra.trainers.models import held_model, rank_velocity, role_model, teacher_dtype
 from infra.trainers.offload import HostCopy, module_tensors, optimizer_tensors, own_storage
-from infra.trainers.parallel import ddp, free_port, fsdp, full_state_dict, rank_device, unsharded_copy
+from infra.trainers.parallel import ddp, free_port, full_state_dict, rank_device, unsharded_copy
 from infra.trainers.payloads import get_record, put_record
 from infra.trainers.prepare import load_prepared
 from infra.store import ArtifactRef, ArtifactStore
@@ -123,37 +122,26 @@ class RankWorker:
         # The family holding its prepared inputs (e.g. the prompt table): every model call goes through it.
         self.family = family = self.spec.family.bind(load_prepared(self.store, self.spec.prepared), self.device)
         self.real = family.real_source(self.spec)  # the GAN's real samples: the driver's, or the prepared ones
-        train = self.spec.config.train
-        model = with_role_adapters(family.load_model(self.trainer.init), self.spec.config, self.trainer.role,
-                                   family.lora_targets)  # [student] lora_rank: adapters over the frozen init
-        if self.trainer.gan_head:  # a submodule: it trains, sleeps and is checkpointed with the critic (dmd2/gan.py)
-            model = attach_gan_head(model, family.gan_tap(model), self.spec.config.train.seed)
-        model = own_storage(model.to(self.device))
-        if train.activation_checkpointing:
-            model.enable_gradient_checkpointing()  # diffusers' own: recompute each block's activations in backward
-        self._module = fsdp(model, train.mixed_precision == "bf16") if self.sharded else model
+        config = self.spec.config
+        model = own_storage(role_model(family.load_model(self.trainer.init), family, self.trainer, config)
+                            .to(self.device))
+        self._module = held_model(model, config)
         # The optimizer is built over the sharded parameters under FSDP; DDP's wrapper comes with `wake`.
-        self.state = train_state(self._module, self.trainer.lr, self.spec.config, family.velocity,
+        self.state = train_state(self._module, self.trainer.lr, config, family.velocity,
                                  self.trainer.ema_decay, self.trainer.steps_per_rollout)
         if self.world_size > 1:  # every rank's loss and grad norm: a non-finite step stops all ranks alike
             self.state.gather = gather_rows(self._objects)
         self._wrap()
         self.teacher = None
         if self.trainer.teacher is not None:
-            # Frozen, so no master weights to keep: under bf16 it loads (and stays) in bf16.
-            dtype = torch.bfloat16 if train.mixed_precision == "bf16" else None
-            teacher = own_storage(family.load_model(self.trainer.teacher, dtype).to(self.device))
+            teacher = own_storage(family.load_model(self.trainer.teacher, teacher_dtype(config)).to(self.device))
             self.teacher = teacher.eval().requires_grad_(False)
             self._teacher_host.offload(module_tensors(self.teacher))  # on the device only while scoring
         self.sleep()  # asleep until its first stage: at no time are two groups awake for nothing
         logger.info("ready: %s from %s on %s (%s)", self.trainer.role, self.trainer.init, self.device, backend)
 
     def _velocity(self, model: nn.Module) -> VelocityFn:
-        """How the rank calls a model: the family's call, under bf16 autocast with `[train] mixed_precision`."""
-        velocity = self.family.velocity(model)
-        if self.spec.config.train.mixed_precision == "bf16":
-            velocity = Autocast(velocity, self.device.type)
-        return velocity
+        return rank_velocity(self.family, model, self.spec.config, self.device)
 
     def _wrap(self) -> None:
         """The trained model as the optimizer steps see it: DDP's wrapper (built anew, see `infra.trainers.parallel`)

@@ -16,7 +16,7 @@ from torch import nn
 from dmd2.conditioning import ClassLabels
 from dmd2.config import DistillConfig
 from dmd2.family import ModelFamily, RunSpec
-from dmd2.families.digits.checks import IMAGE_SHAPE, NULL_CLASS, NUM_CLASSES
+from dmd2.families.digits.checks import BUILTIN_DIGITS, IMAGE_SHAPE, NULL_CLASS, NUM_CLASSES
 from dmd2.families.digits.data import real_digits
 from dmd2.gan import GanTap
 from dmd2.model import load_pretrained
@@ -52,6 +52,17 @@ class DigitsFamily(ModelFamily):
         gan = config.dmd2 is not None and config.dmd2.critic_gan_weight > 0
         return RunSpec(config, self, IMAGE_SHAPE, ClassLabels(NUM_CLASSES, NULL_CLASS), str(cache_dir),
                        real=real_digits() if gan else None)
+
+    def model_on_meta(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:
+        """The built-in teacher's architecture needs no pretraining to be measured."""
+        from diffusers import UNet2DModel
+
+        from dmd2.families.digits.model import DIGITS_UNET_CONFIG
+        from dmd2.model import on_meta
+
+        if path == BUILTIN_DIGITS:
+            return on_meta(UNet2DModel, DIGITS_UNET_CONFIG, dtype)
+        return super().model_on_meta(path, dtype)
 
     def gan_tap(self, model: nn.Module) -> GanTap:
         """The UNet's bottleneck: `mid_block`'s output, [B, C, h, w] with C its last block's channels."""

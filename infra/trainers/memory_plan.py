@@ -1,0 +1,226 @@
+"""`dmd2 plan`: each GPU's memory through a rollout, predicted before the run from the ranks' own code.
+
+One GPU holds rank i of the critic group and rank i of the actor group (they share placement bundle i,
+infra/trainers/cluster.py). A group sleeps after its stage (its weights, optimizer state and EMA parked in host
+memory) and the critic's teacher is on the GPU only while it scores (infra/trainers/rank.py), so a stage's peak
+is what the awake group holds then. The plan rehearses one rollout as the ranks run it: the models are built
+from their configs on the meta device (no weight is read) and given fake storage (torch's `FakeTensorMode`),
+held as `[train]` says (`infra.trainers.models`: LoRA adapters, the GAN head, recomputed activations, FSDP2 over
+a fake process group of the world size), and the stages run the product's code (backward simulation, the
+pairs, each group's `train_steps` with its hooks, the teacher's scoring) while `dmd2.memory.MemoryLedger`
+counts every live storage by category. Nothing is computed, so a plan of SD3.5 at 1024 px runs on a CPU.
+
+The optimizer state is made before the rollout (AdamW makes its moments at its first step): the plan is of a
+rollout in the middle of a run. DDP is planned as one whole replica per rank (its buckets hold the gradients
+as views: the same bytes). Not in the figures: the CUDA context, NCCL's buffers and the allocator's
+fragmentation, for which a fit keeps `RESERVE` of each GPU free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dmd2.convert import samples_to_train_pairs
+from dmd2.family import RunSpec
+from dmd2.gan import tapped
+from dmd2.hooks import score
+from dmd2.memory import MemoryLedger, StagePeak
+from dmd2.plan import rollout_plan
+from dmd2.rollout import rollout_shard
+from dmd2.trainer import HookContext, TrainState, train_state, train_steps
+from infra.trainers.configs import compute_trainer_configs
+from infra.trainers.hooks import resolve_hooks
+from infra.trainers.models import held_model, rank_velocity, role_model, teacher_dtype
+from infra.trainers.offload import module_tensors, optimizer_tensors
+
+STAGES = ("rollout", "convert", "critic-train", "score", "actor-train")
+RESERVE = 0.10  # of each GPU, for what the figures leave out (see the module docstring)
+DEVICE = torch.device("cpu")  # fake storage on the CPU stands in for the GPU (fake CUDA fails inside FSDP2)
+Load = Callable[[str, "torch.dtype | None"], nn.Module]  # (model path, dtype) -> the model on DEVICE
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One GPU's predicted bytes in each stage of a rollout (`StagePeak`s, by category), the host memory its
+    two ranks park while asleep, and the run's size."""
+
+    world_size: int
+    stages: tuple[StagePeak, ...]
+    host_parked: int
+    parameters: int  # the teacher's
+
+    @property
+    def peak(self) -> StagePeak:
+        return max(self.stages, key=lambda stage: stage.peak)
+
+    def fits(self, gpu_bytes: int) -> bool:
+        """Whether every stage leaves `RESERVE` of a GPU of ``gpu_bytes`` free."""
+        return self.peak.peak <= (1 - RESERVE) * gpu_bytes
+
+
+@dataclass
+class GpuModels:
+    """What one GPU holds: rank i of each group (model, optimizer, EMA) and the critic's frozen teacher."""
+
+    spec: RunSpec
+    actor: TrainState
+    critic: TrainState
+    teacher: nn.Module
+    hooks: dict[str, object]
+
+
+def gpu_models(spec: RunSpec, load: Load, mesh=None) -> GpuModels:
+    """Both groups' rank on one GPU, loaded by ``load`` and held as the ranks hold them; ``spec.family`` must be
+    bound (`ModelFamily.bind`). Their optimizer state is made (`_with_optimizer_state`)."""
+    config, family = spec.config, spec.family
+    states, hooks, teacher = {}, {}, None
+    for trainer in compute_trainer_configs(config, "checkpoints"):
+        model = held_model(role_model(load(trainer.init, None), family, trainer, config), config, mesh)
+        state = train_state(model, trainer.lr, config, family.velocity, trainer.ema_decay, trainer.steps_per_rollout)
+        state.velocity = tapped(rank_velocity(family, model, config, DEVICE), model)
+        states[trainer.role], hooks[trainer.role] = _with_optimizer_state(state), resolve_hooks(trainer.hooks,
+                                                                                                 trainer.role)
+        if trainer.teacher is not None:
+            teacher = load(trainer.teacher, teacher_dtype(config)).eval().requires_grad_(False)
+    return GpuModels(spec, states["actor"], states["critic"], teacher, hooks)
+
+
+def _with_optimizer_state(state: TrainState) -> TrainState:
+    """AdamW's moments, as after the run's first step: one step on zero gradients (weight decay aside, a no-op)."""
+    for group in state.optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return state
+
+
+class Parking:
+    """Where a rehearsal parks what sleeps: in the ledger's host total (a plan), or for real (a measurement)."""
+
+    def park(self, name: str, tensors: list[Tensor]) -> None:
+        raise NotImplementedError
+
+    def unpark(self, name: str) -> None:
+        raise NotImplementedError
+
+
+class LedgerParking(Parking):
+    def __init__(self, ledger: MemoryLedger):
+        self.ledger, self._parked = ledger, {}
+
+    def park(self, name: str, tensors: list[Tensor]) -> None:
+        self.ledger.park(tensors)
+        self._parked[name] = tensors
+
+    def unpark(self, name: str) -> None:
+        self.ledger.unpark(self._parked.pop(name))
+
+
+def _state_tensors(state: TrainState) -> list[Tensor]:
+    """What a group's sleep parks (`RankWorker.sleep`): weights, optimizer state, EMA; gradients are dropped."""
+    state.optimizer.zero_grad(set_to_none=True)
+    ema = state.ema.local_tensors() if state.ema is not None else []
+    return module_tensors(state.model) + optimizer_tensors(state.optimizer) + ema
+
+
+def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], parking: Parking) -> None:
+    """One rollout on ``gpu`` as the two ranks run it, each of `STAGES` inside ``stage(name)``: the group of the
+    stage awake (woken before it), the other asleep, the teacher on the device only while scoring."""
+    spec = gpu.spec
+    config, family = spec.config, spec.family
+    plan = rollout_plan(config, 0, spec.sample_shape)
+    real = family.real_source(spec)
+    parking.park("critic", _state_tensors(gpu.critic))
+    parking.park("teacher", module_tensors(gpu.teacher))
+    with stage("rollout"):
+        samples = rollout_shard(rank_velocity(family, gpu.actor.model, config, DEVICE), spec.conds, plan, 0, DEVICE,
+                                lockstep=config.train.parallel == "fsdp")
+    with stage("convert"):
+        pairs = samples_to_train_pairs(samples, config.student.num_steps)
+    del samples
+    parking.park("actor", _state_tensors(gpu.actor))
+    parking.unpark("critic")
+    with stage("critic-train"):
+        _, kept = train_steps(gpu.critic, gpu.hooks["critic"], HookContext(plan, config.dmd2, 0, {}, real), pairs,
+                              plan.critic_steps)
+    parking.unpark("teacher")
+    with stage("score"):
+        scores = score(rank_velocity(family, gpu.teacher, config, DEVICE), kept, pairs,
+                       HookContext(plan, config.dmd2, 0, {}, real), gpu.critic.velocity)
+    del kept
+    parking.park("teacher", module_tensors(gpu.teacher))
+    parking.park("critic", _state_tensors(gpu.critic))
+    parking.unpark("actor")
+    with stage("actor-train"):
+        train_steps(gpu.actor, gpu.hooks["actor"], HookContext(plan, config.dmd2, 0, {"critic": scores}, real),
+                    pairs, 1)
+
+
+def plan_memory(spec: RunSpec) -> MemoryPlan:
+    """The plan of one GPU of a run of ``spec`` at its `[train] world_size`, on fake tensors (see the module
+    docstring); ``spec.family`` unbound (its `plan_bind` stands in for the prepared inputs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    config = spec.config
+    with fake_world(config.train.world_size, config.train.parallel == "fsdp") as mesh:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            family = spec.family.plan_bind(config, DEVICE)
+            bound = RunSpec(config, family, spec.sample_shape, spec.conds, spec.cache_dir, spec.prepared, spec.real)
+
+            def load(path: str, dtype: torch.dtype | None) -> nn.Module:
+                with unset_fake_temporarily():  # a module made inside the fake mode could not swap in fake storage
+                    model = family.model_on_meta(path, dtype)
+                return model.to_empty(device=DEVICE)
+
+            gpu = gpu_models(bound, load, mesh)
+            ledger = MemoryLedger()
+            with ledger:
+                for state in (gpu.actor, gpu.critic):
+                    ledger.label(state.model, "weights")
+                    ledger.label(optimizer_tensors(state.optimizer), "optimizer")
+                    ledger.label(state.ema.local_tensors() if state.ema is not None else [], "weights")  # the EMA
+                ledger.label(gpu.teacher, "teacher")
+                ledger.label(family.conditioning_tensors(), "conditioning")
+                host = _HostHighWater(ledger)
+                rehearse(gpu, host.stage, LedgerParking(ledger))
+    parameters = sum(p.numel() for p in gpu.teacher.parameters())
+    return MemoryPlan(config.train.world_size, tuple(ledger.peaks), host.most, parameters)
+
+
+class _HostHighWater:
+    """The most bytes parked in host memory at any stage's start or end (a sleeping group's state is constant)."""
+
+    def __init__(self, ledger: MemoryLedger):
+        self.ledger, self.most = ledger, 0
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        self.most = max(self.most, self.ledger.parked)
+        with self.ledger.stage(name):
+            yield
+        self.most = max(self.most, self.ledger.parked)
+
+
+@contextmanager
+def fake_world(world_size: int, sharded: bool) -> Iterator[object]:
+    """A fake process group of ``world_size`` ranks (this process is rank 0; collectives move no data) and its
+    device mesh, made before any fake mode (a mesh cannot be made inside one); none where nothing needs it."""
+    if not sharded or dist.is_initialized():
+        yield None
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+

@@ -1,0 +1,50 @@
+"""How a rank holds its models: the trained model from its loaded init (`role_model`), on its device as
+`[train]` says (`held_model`), the frozen teacher's dtype, and the call the algorithm makes (`rank_velocity`).
+The rank workers (infra/trainers/rank.py) and `dmd2 plan` (infra/trainers/memory_plan.py) share them, so the
+plan measures the very models a run trains."""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dmd2.config import DistillConfig
+from dmd2.family import ModelFamily
+from dmd2.gan import attach_gan_head
+from dmd2.lora import with_role_adapters
+from dmd2.model import VelocityFn
+from dmd2.precision import Autocast
+from infra.trainers.configs import TrainerConfig
+from infra.trainers.parallel import fsdp
+
+
+def role_model(model: nn.Module, family: ModelFamily, trainer: TrainerConfig, config: DistillConfig) -> nn.Module:
+    """The model a group trains, from its loaded init: LoRA adapters over it with `[student] lora_rank`, and the
+    critic's GAN head with `[dmd2] critic_gan_weight` (a submodule: it trains, sleeps and is checkpointed with the
+    critic, dmd2/gan.py). Shared with `dmd2 plan` (infra/trainers/memory_plan.py), which gives it fake storage."""
+    model = with_role_adapters(model, config, trainer.role, family.lora_targets)
+    if trainer.gan_head:
+        model = attach_gan_head(model, family.gan_tap(model), config.train.seed)
+    return model
+
+
+def held_model(model: nn.Module, config: DistillConfig, mesh: DeviceMesh | None = None) -> nn.Module:
+    """The trained model on its device as `[train]` holds it: activations recomputed in backward (diffusers' own
+    gradient checkpointing) and, with `parallel = "fsdp"`, sharded over ``mesh`` (default: the process group)."""
+    train = config.train
+    if train.activation_checkpointing:
+        model.enable_gradient_checkpointing()
+    return fsdp(model, train.mixed_precision == "bf16", mesh) if train.parallel == "fsdp" else model
+
+
+def teacher_dtype(config: DistillConfig) -> torch.dtype | None:
+    """The frozen teacher's dtype: bf16 under `mixed_precision = "bf16"` (no master weights to keep), else the
+    family's default."""
+    return torch.bfloat16 if config.train.mixed_precision == "bf16" else None
+
+
+def rank_velocity(family: ModelFamily, model: nn.Module, config: DistillConfig, device: torch.device) -> VelocityFn:
+    """How a rank calls a model: the family's call, under bf16 autocast with `[train] mixed_precision`."""
+    velocity = family.velocity(model)
+    if config.train.mixed_precision == "bf16":
+        velocity = Autocast(velocity, device.type)
+    return velocity

@@ -1,0 +1,118 @@
+"""`dmd2 plan`'s figures against a real run: the same rollout rehearsed on real tensors, measured by the CPU
+allocator's own running total of allocated bytes (torch's profiler reports it with every allocation), a
+different instrument from the plan's ledger; what sleeps is parked for real (`HostCopy`, the ranks' sleep) and
+its host copies are taken off the total, as they would not be on a GPU."""
+
+import itertools
+import socket
+import time
+from contextlib import contextmanager, nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from dmd2.config import config_from_dict
+from dmd2.families.digits.model import build_digits_unet
+from dmd2.family import family_for
+from infra.trainers.memory_plan import STAGES, Parking, gpu_models, plan_memory, rehearse
+from infra.trainers.offload import HostCopy, own_storage
+
+TOLERANCE = 0.10
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> str:
+    """The built-in digits teacher's architecture (not the tests' tiny one: its many small tensors would
+    measure the allocator's rounding rather than the model)."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("plan") / "teacher"
+    build_digits_unet().save_pretrained(path)
+    return str(path)
+
+
+def config(teacher: str, parallel: str):
+    return config_from_dict({
+        "model": {"teacher": teacher}, "student": {"num_steps": 2},
+        "optim": {"lr": 1e-4, "critic_lr": 2e-4},
+        "dmd2": {"critic_steps_per_rollout": 2, "teacher_guidance_scale": 2.0},
+        "train": {"rollout_batch_size": 64, "world_size": 1, "rollouts": 2, "parallel": parallel},
+    })
+
+
+class HostCopies(Parking):
+    """The ranks' own sleep: each name's tensors copied to host memory and their storages shrunk to nothing."""
+
+    def __init__(self):
+        self.copies: dict[str, HostCopy] = {}
+        self.host_bytes: dict[str, int] = {}
+
+    def park(self, name, tensors):
+        self.copies[name] = HostCopy()
+        self.host_bytes[name] = self.copies[name].offload(tensors)
+
+    def unpark(self, name):
+        self.copies.pop(name).restore()
+        del self.host_bytes[name]
+
+
+@contextmanager
+def gloo_world_of_one():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def allocations(prof) -> list[tuple[int, int]]:
+    """(time in ns, bytes allocated since the profile began) after every allocation and free, in time order: the
+    running sum of the allocator's own records (what it allocated before the profile is not in it)."""
+    found, events = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while events:
+        event = events.pop()
+        if event.tag == _EventType.Allocation:
+            found.append((event.start_time_ns, event.extra_fields.alloc_size))
+        events.extend(event.children)
+    found.sort()
+    return list(zip((at for at, _ in found), itertools.accumulate(size for _, size in found)))
+
+
+def measured(spec) -> dict[str, int]:
+    """Each stage's peak bytes on real tensors: the allocator's total at its highest in the stage, less the host
+    copies of what sleeps (constant through a stage: groups sleep and wake between stages)."""
+    family = spec.family.bind({}, "cpu")
+    spec = type(spec)(spec.config, family, spec.sample_shape, spec.conds, spec.cache_dir)
+    parking, windows = HostCopies(), {}
+
+    @contextmanager
+    def stage(name):
+        start = time.time_ns()
+        yield
+        windows[name] = (start, time.time_ns(), sum(parking.host_bytes.values()))
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:  # before any model is made
+        gpu = gpu_models(spec, lambda path, dtype: own_storage(family.load_model(path, dtype)))
+        rehearse(gpu, stage, parking)
+    totals = allocations(prof)
+    peaks = {}
+    for name, (start, end, host) in windows.items():
+        before = ([0] + [total for at, total in totals if at <= start])[-1]
+        peaks[name] = max([before, *(total for at, total in totals if start < at <= end)]) - host
+    return peaks
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_each_stages_planned_peak_is_within_10_percent_of_the_measured_one(teacher, parallel):
+    spec = family_for(config(teacher, parallel).model).plan_spec(config(teacher, parallel))
+    plan = plan_memory(spec)
+    with gloo_world_of_one() if parallel == "fsdp" else nullcontext():
+        real = measured(spec)
+    assert [stage.stage for stage in plan.stages] == list(STAGES) and set(real) == set(STAGES)
+    for stage in plan.stages:
+        assert abs(stage.peak - real[stage.stage]) <= TOLERANCE * real[stage.stage], (stage, real)
