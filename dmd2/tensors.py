@@ -57,6 +57,9 @@ def on_host() -> Iterator[None]:
         yield
 
 
+__all__ = ["is_fake"]  # re-exported: whether a tensor is a plan's fake one
+
+
 def figure(tensor: Tensor) -> float:
     """A one-element tensor's value, for metrics and checks; 0.0 for a fake tensor (a plan has no values)."""
     return 0.0 if is_fake(tensor) else tensor.item()

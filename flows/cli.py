@@ -4,6 +4,7 @@
     dmd2 distill --recipe R             distill as Prefect flows on Ray, tracked in MLflow; resumable
     dmd2 evaluate --student DIR         score a student directory the way its family evaluates students
     dmd2 serve --name N [--cron C]      serve the distill flow as a deployment (prefect deployment run)
+    dmd2 plan --gpu-memory 80GiB        each GPU's memory in every stage of a rollout, before the run
     plus each model family's own commands (digits: pretrain, sample, table)
 
 Recipe options can be overridden on the command line: --set SECTION.KEY=VALUE (repeatable), e.g.
@@ -24,6 +25,7 @@ from dmd2.failures import RunError  # noqa: E402
 from dmd2.family import all_commands  # noqa: E402
 from flows.commands import (add_distill_args, cache_arg, cmd_distill, cmd_evaluate, cmd_run,  # noqa: E402
                             cmd_serve, recipe_args)
+from flows.plan import add_plan_args, cmd_plan  # noqa: E402
 
 
 SET_EPILOG = ("Recipe options are overridden with --set SECTION.KEY=VALUE (repeatable) on run, distill, "
@@ -65,6 +67,16 @@ def _orchestrated(commands) -> None:
     recipe_args(serve)
     serve.add_argument("--run-id", help="run id each scheduled run continues (default: the recipe's name)")
     serve.set_defaults(run=cmd_serve)
+
+    plan = commands.add_parser("plan", help="will a recipe fit its GPUs? each GPU's memory in every stage",
+                               description="Predict each GPU's peak memory in every stage of a rollout (rollout, "
+                                           "convert, critic-train, score, actor-train), split by what holds it, and "
+                                           "the host memory the sleeping groups take per node: the ranks' own code "
+                                           "rehearses one rollout at the recipe's full model size on fake tensors "
+                                           "(no GPU, no weights, no server). Exits 1, naming the stage, the figure "
+                                           "and what to change, if the recipe does not fit.")
+    add_plan_args(plan)
+    plan.set_defaults(run=cmd_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ fragmentation, for which a fit keeps `RESERVE` of each GPU free.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from dmd2.hooks import score
 from dmd2.memory import MemoryLedger, StagePeak
 from dmd2.plan import rollout_plan
 from dmd2.rollout import rollout_shard
-from dmd2.trainer import HookContext, TrainState, train_state, train_steps
+from dmd2.trainer import HookContext, Hooks, TrainState, train_state, train_steps
 from infra.trainers.configs import compute_trainer_configs
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.models import held_model, rank_velocity, role_model, teacher_dtype
@@ -72,7 +73,7 @@ class GpuModels:
     actor: TrainState
     critic: TrainState
     teacher: nn.Module
-    hooks: dict[str, object]
+    hooks: dict[str, Hooks]
 
 
 def gpu_models(spec: RunSpec, load: Load, mesh=None) -> GpuModels:
@@ -130,6 +131,16 @@ def _state_tensors(state: TrainState) -> list[Tensor]:
     return module_tensors(state.model) + optimizer_tensors(state.optimizer) + ema
 
 
+def _first_and_last(hooks: Hooks, steps: int) -> tuple[Hooks, int]:
+    """Of a group's ``steps`` optimizer steps, the first and the last (which keeps what scoring needs): with the
+    optimizer state made, every middle step repeats the first's memory, and rehearsing them would only cost time.
+    Returns the hooks that run them and how many steps they are, for `train_steps`."""
+    chosen = [0, steps - 1] if steps > 1 else [0]
+    return dataclasses.replace(
+        hooks, loss=lambda ctx, velocity, batch, step: hooks.loss(ctx, velocity, batch, chosen[step]),
+        prepare=lambda ctx, pairs, step: hooks.prepare(ctx, pairs, chosen[step])), len(chosen)
+
+
 def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], parking: Parking) -> None:
     """One rollout on ``gpu`` as the two ranks run it, each of `STAGES` inside ``stage(name)``: the group of the
     stage awake (woken before it), the other asleep, the teacher on the device only while scoring."""
@@ -147,9 +158,9 @@ def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], par
     del samples
     parking.park("actor", _state_tensors(gpu.actor))
     parking.unpark("critic")
+    hooks, steps = _first_and_last(gpu.hooks["critic"], plan.critic_steps)
     with stage("critic-train"):
-        _, kept = train_steps(gpu.critic, gpu.hooks["critic"], HookContext(plan, config.dmd2, 0, {}, real), pairs,
-                              plan.critic_steps)
+        _, kept = train_steps(gpu.critic, hooks, HookContext(plan, config.dmd2, 0, {}, real), pairs, steps)
     parking.unpark("teacher")
     with stage("score"):
         scores = score(rank_velocity(family, gpu.teacher, config, DEVICE), kept, pairs,

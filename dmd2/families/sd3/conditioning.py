@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from dmd2.model import Cond, VelocityFn
+from dmd2.tensors import is_fake, on_host
 
 NEGATIVE = -1  # the prompt index of the negative prompt
 INDEX_KEY = "prompt_index"
@@ -60,15 +61,22 @@ class PromptTable:
 
     def cond(self, prompt_index: Tensor) -> Cond:
         """The transformer's conditioning of prompts [B] (int64 in [0, P), or NEGATIVE for the negative prompt)."""
-        index = prompt_index.to(self.prompt_embeds.device, torch.long)
-        # Checked on the host only: on a GPU the check would synchronize every model call (indices are made,
-        # and so checked, on the host; one out of range on a device still fails in the lookup).
-        bad = (index < NEGATIVE) | (index >= len(self)) if index.device.type == "cpu" else None
-        if bad is not None and bad.any():
-            raise IndexError(f"prompt index {index[bad][0].item()} is outside the table of {len(self)} prompts "
-                             f"(valid: 0..{len(self) - 1}, or {NEGATIVE} for the negative prompt)")
-        negative = (index == NEGATIVE)
-        rows = index.clamp(min=0)  # the negative rows are overwritten just below
+        index = prompt_index.long()
+        if is_fake(index):  # `dmd2 plan`: no values to check, and which rows are negative changes no memory
+            negative = torch.zeros(0, dtype=torch.long)
+        elif index.device.type == "cpu":
+            # Indices made on the host are checked there, and their rows picked there (`on_host`); on a GPU the
+            # check would synchronize every model call (one out of range there still fails in the lookup).
+            with on_host():
+                bad = (index < NEGATIVE) | (index >= len(self))
+                if bad.any():
+                    raise IndexError(f"prompt index {index[bad][0].item()} is outside the table of {len(self)} "
+                                     f"prompts (valid: 0..{len(self) - 1}, or {NEGATIVE} for the negative prompt)")
+                negative = (index == NEGATIVE).nonzero().squeeze(1)
+        else:
+            negative = index == NEGATIVE
+        device = self.prompt_embeds.device
+        rows, negative = index.clamp(min=0).to(device), negative.to(device)  # negative rows: overwritten below
         embeds, pooled = self.prompt_embeds[rows], self.pooled_prompt_embeds[rows]
         embeds[negative], pooled[negative] = self.negative_prompt_embeds, self.negative_pooled_prompt_embeds
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}

@@ -27,6 +27,7 @@ from dmd2.families.sd3.pipeline import (check_sd3_pipeline, is_sd3_pipeline, lat
                                         read_json, shift_of, vae_scale_factor)
 from dmd2.families.sd3.prompt_file import read_prompts
 from dmd2.families.sd3.prompts import components_fingerprint, encoder_fingerprint, prompts_digest
+from dmd2.families.sd3.published import TEXT_TOKENS, TRANSFORMERS, VAE_SCALE_FACTOR
 from dmd2.families.sd3.real_images import caption_rows, images_digest
 from dmd2.gan import GanTap, RealSamples
 from dmd2.model import Cond, DiffusersVelocity, VelocityFn
@@ -95,6 +96,44 @@ class SD3Family(ModelFamily):
     def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
         shape = latent_shape(config.model.teacher, config.data.resolution)
         return RunSpec(config, self, shape, PromptIndices(len(read_prompts(config.data.prompts))), str(cache_dir))
+
+    # -- dmd2 plan: the published MMDiTs by hub id (nothing downloaded), a pipeline directory by its configs --
+
+    def model_on_meta(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:
+        from diffusers import SD3Transformer2DModel
+
+        from dmd2.model import architecture, on_meta
+
+        if path in TRANSFORMERS:
+            return on_meta(SD3Transformer2DModel, TRANSFORMERS[path], dtype)
+        return architecture(path, dtype, subfolder="transformer")
+
+    def plan_spec(self, config: DistillConfig) -> RunSpec:
+        """One stand-in prompt (memory does not depend on which prompts), no prompt file read."""
+        teacher, transformer = config.model.teacher, self._transformer_config(config.model.teacher)
+        if teacher in TRANSFORMERS:
+            resolution = config.data.resolution or transformer["sample_size"] * VAE_SCALE_FACTOR
+            shape = (transformer["in_channels"], resolution // VAE_SCALE_FACTOR, resolution // VAE_SCALE_FACTOR)
+        else:
+            shape = latent_shape(teacher, config.data.resolution or self._default_resolution(teacher))
+        return RunSpec(config, self, shape, PromptIndices(1), "")
+
+    def plan_bind(self, config: DistillConfig, device: torch.device | str) -> "SD3Family":
+        """A table of one zero prompt of the encoders' shapes: CLIP's 77 tokens and T5's 256, the MMDiT's widths."""
+        transformer = self._transformer_config(config.model.teacher)
+        width, pooled = transformer["joint_attention_dim"], transformer["pooled_projection_dim"]
+        tables = [torch.zeros(1, TEXT_TOKENS, width, device=device), torch.zeros(1, pooled, device=device)]
+        return dataclasses.replace(self, table=PromptTable(*tables, *(t.clone() for t in tables)))
+
+    def conditioning_tensors(self) -> list[Tensor]:
+        tables = list(self.table.tensors().values()) if self.table is not None else []
+        return tables + ([self.real.x0, *self.real.cond.values()] if self.real is not None else [])
+
+    @staticmethod
+    def _transformer_config(teacher: str) -> dict[str, Any]:
+        if teacher in TRANSFORMERS:
+            return TRANSFORMERS[teacher]
+        return read_json(Path(teacher) / "transformer" / "config.json", f"[model] teacher {teacher}")
 
     @staticmethod
     def real_images(config: DistillConfig) -> list[RealImage]:

@@ -16,6 +16,9 @@ SD35_LARGE = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, 
                   pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192,
                   dual_attention_layers=(), qk_norm="rms_norm")
 
+# Pixels per latent cell of their VAE (four blocks: three halvings), whose latents have the MMDiT's in_channels.
+VAE_SCALE_FACTOR = 8
+
 TRANSFORMERS = {
     "stabilityai/stable-diffusion-3.5-medium": SD35_MEDIUM,
     "stabilityai/stable-diffusion-3.5-large": SD35_LARGE,

@@ -1,0 +1,125 @@
+"""`dmd2 plan`: will a recipe fit the GPUs it is meant for? Each GPU's memory in every stage of a rollout,
+predicted in this process before any server starts (infra/trainers/memory_plan.py), printed as a table with a
+verdict; a recipe that does not fit exits 1 naming the stage, the figure and what to change."""
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from dmd2.config import ConfigError, DistillConfig, load_recipe, parse_overrides
+from flows.recipe import DEFAULT_RECIPE, RECIPES
+
+GiB = 2**30
+UNITS = {"": GiB, "gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}
+COLUMNS = (("weights", "weights"), ("gradients", "grads"), ("optimizer", "optim"), ("teacher", "teacher"),
+           ("conditioning", "cond"), ("activations", "activ"), ("temporaries", "temp"))
+
+
+def memory_size(text: str) -> int:
+    """Bytes of a size such as 80GiB, 24 GiB, 80GB or 512MiB (a bare number is GiB)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size: write e.g. 80GiB, 24GiB or 40GB")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE, help=f"TOML recipe (default {DEFAULT_RECIPE})")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a recipe option, as on distill (repeatable)")
+    parser.add_argument("--gpus", type=int, help="GPUs of the run: its [train] world_size, each GPU holding one rank "
+                                                 "of each group (default: the recipe's world_size)")
+    parser.add_argument("--gpu-memory", type=memory_size, required=True, metavar="SIZE",
+                        help="memory of one GPU, e.g. 80GiB (H100/A100 80 GB), 141GiB (H200), 24GiB")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs per machine, for the host memory a node's sleeping "
+                                                          "groups take (default: --gpus, at most 8)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the plan here as JSON")
+
+
+def planned_config(recipe: Path, overrides: list[str], gpus: int | None) -> DistillConfig:
+    """The recipe with its overrides and `--gpus` as its world size; option checks only (no file is read: a plan
+    needs no prompts, and no model weights)."""
+    if not recipe.is_file():
+        raise ConfigError(f"--recipe {recipe} does not exist (recipes are in {RECIPES})")
+    parsed = parse_overrides(overrides)
+    if gpus is not None:
+        if gpus < 1:
+            raise ConfigError(f"--gpus must be >= 1, got {gpus}")
+        parsed.setdefault("train", {})["world_size"] = gpus
+    return load_recipe(recipe, parsed)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from dmd2.family import family_for
+    from infra.trainers.memory_plan import RESERVE, plan_memory
+
+    config = planned_config(args.recipe, args.overrides, args.gpus)
+    train = config.train
+    gpus_per_node = args.gpus_per_node or min(train.world_size, 8)
+    if gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    family = family_for(config.model)
+    print(f"planning {args.recipe} on {train.world_size} GPU(s) of {args.gpu_memory / GiB:.0f} GiB: {layout(config)}; "
+          f"B = {config.critic_batch_size} samples per GPU per critic step (rehearsing a rollout on fake tensors)...",
+          flush=True)
+    plan = plan_memory(family.plan_spec(config))
+    usable = (1 - RESERVE) * args.gpu_memory
+    print(table(plan))
+    peak = plan.peak
+    share = peak.peak / args.gpu_memory
+    print(f"\npeak {peak.peak / GiB:.1f} GiB per GPU, in {peak.stage}: {share:.0%} of {args.gpu_memory / GiB:.0f} "
+          f"GiB ({RESERVE:.0%} of each GPU is kept for the CUDA context, NCCL and fragmentation)")
+    print(f"host memory per node for sleeping groups: {plan.host_parked * gpus_per_node / GiB:.0f} GiB "
+          f"({gpus_per_node} GPU(s) x {plan.host_parked / GiB:.1f} GiB)")
+    fits = plan.fits(args.gpu_memory)
+    if args.json:
+        args.json.write_text(json.dumps(as_json(plan, config, args, fits, gpus_per_node), indent=1) + "\n")
+    if fits:
+        print(f"fits: {train.world_size} GPU(s) of {args.gpu_memory / GiB:.0f} GiB")
+        return 0
+    print(f"does not fit: {peak.stage} needs {peak.peak / GiB:.1f} GiB per GPU, more than the {usable / GiB:.1f} GiB "
+          f"usable of {args.gpu_memory / GiB:.0f} GiB. To fit, {remedies(config, peak)}")
+    return 1
+
+
+def layout(config: DistillConfig) -> str:
+    train = config.train
+    return ", ".join(["FSDP2" if train.parallel == "fsdp" else "DDP",
+                      "bf16 compute" if train.mixed_precision == "bf16" else "fp32",
+                      *(["activation checkpointing"] if train.activation_checkpointing else [])])
+
+
+def table(plan) -> str:
+    header = f"{'stage':13} {'peak':>7}" + "".join(f" {title:>7}" for _, title in COLUMNS)
+    rows = [f"{stage.stage:13} {stage.peak / GiB:7.2f}"
+            + "".join(f" {stage.by_category.get(key, 0) / GiB:7.2f}" for key, _ in COLUMNS) for stage in plan.stages]
+    return "\n".join(["GiB per GPU (one rank of each group), by what holds it:", header, *rows])
+
+
+def remedies(config: DistillConfig, peak) -> str:
+    """What would shrink the peak stage, the largest part first."""
+    train, parts = config.train, peak.by_category
+    state = parts["weights"] + parts["gradients"] + parts["optimizer"]
+    options = []
+    if train.parallel != "fsdp" and state > 0.2 * peak.peak:
+        options.append((state, 'set [train] parallel = "fsdp" (shards weights, gradients and AdamW state over the GPUs)'))
+    if train.mixed_precision != "bf16":
+        options.append((parts["activations"] + parts["teacher"],
+                        'set [train] mixed_precision = "bf16" (bf16 compute and a bf16 teacher)'))
+    if not train.activation_checkpointing and parts["activations"] > 0.1 * peak.peak:
+        options.append((parts["activations"], "set [train] activation_checkpointing = true (recompute activations "
+                                              "in backward)"))
+    options.sort(key=lambda option: -option[0])
+    options.append((0, f"lower [train] rollout_batch_size (now {config.critic_batch_size} samples per GPU per critic "
+                       "step)" + (", or plan more GPUs (--gpus)" if train.parallel == "fsdp" else "")))
+    return "; or ".join(text for _, text in options)
+
+
+def as_json(plan, config: DistillConfig, args: argparse.Namespace, fits: bool, gpus_per_node: int) -> dict:
+    return {"recipe": str(args.recipe), "overrides": list(args.overrides), "world_size": config.train.world_size,
+            "gpu_memory_bytes": args.gpu_memory, "fits": fits, "peak_stage": plan.peak.stage,
+            "stages": {stage.stage: {"peak": stage.peak, **stage.by_category} for stage in plan.stages},
+            "host_parked_per_gpu": plan.host_parked, "host_per_node": plan.host_parked * gpus_per_node,
+            "gpus_per_node": gpus_per_node, "teacher_parameters": plan.parameters}
+

@@ -1,0 +1,73 @@
+"""`dmd2 plan` as a user runs it: the table, the verdict and its exit status, the JSON, and bad input."""
+
+import json
+
+import pytest
+import torch
+
+from dmd2.config import load_recipe
+from dmd2.families.sd3.family import SD3Family
+from flows.cli import main
+from infra.trainers.memory_plan import STAGES, plan_memory
+from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_sd3_pipeline
+
+GiB = 2**30
+
+
+def test_the_default_recipe_fits_and_the_json_holds_every_stage(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--gpu-memory", "1GiB", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    assert list(plan["stages"]) == list(STAGES) and plan["fits"] is True
+    peak = max(plan["stages"].values(), key=lambda stage: stage["peak"])
+    assert plan["stages"][plan["peak_stage"]] == peak
+    for name, stage in plan["stages"].items():  # each row's parts add up to its peak
+        assert sum(value for key, value in stage.items() if key != "peak") == stage["peak"], name
+        assert name in printed
+    assert "fits: 1 GPU(s) of 1 GiB" in printed
+
+
+def test_a_gpu_too_small_exits_1_naming_the_stage_the_figure_and_the_fix(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--gpu-memory", "4MiB", "--json", str(out)]) == 1
+    printed = capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    stage, peak = plan["peak_stage"], plan["stages"][plan["peak_stage"]]["peak"]
+    assert plan["fits"] is False
+    assert f"does not fit: {stage} needs {peak / GiB:.1f} GiB per GPU" in printed
+    assert "lower [train] rollout_batch_size" in printed and 'parallel = "fsdp"' in printed
+
+
+def exit_status(args: list[str]) -> int:
+    try:
+        return main(["plan", *args])
+    except SystemExit as exit:  # argparse's refusals
+        return exit.code
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpu-memory", "lots"], "is not a memory size"),
+    (["--gpu-memory", "8GiB", "--gpus", "0"], "--gpus must be >= 1"),
+    (["--gpu-memory", "8GiB", "--recipe", "no-such.toml"], "--recipe no-such.toml does not exist"),
+    (["--gpu-memory", "8GiB", "--set", "train.nope=1"], "nope"),
+])
+def test_bad_input_is_refused_naming_the_option(args, message, capsys):
+    assert exit_status(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_sd3_pipeline_is_planned_from_its_configs_with_a_bf16_teacher(tmp_path):
+    """The SD3 family's path (a pipeline directory's transformer config, a stand-in prompt table): the teacher's
+    row is its parameters in bf16, counted independently from the loaded transformer."""
+    teacher = build_tiny_sd3_pipeline(tmp_path / "teacher")
+    config = load_recipe("recipes/sd35-medium-4step.toml").replace("model", teacher=str(teacher)).replace(
+        "data", resolution=16).replace("train", world_size=1, rollout_batch_size=10)
+    plan = plan_memory(SD3Family().plan_spec(config))
+    loaded = SD3Family().load_model(str(teacher), torch.bfloat16)  # as the critic rank loads its teacher
+    tensors = [*loaded.parameters(), *loaded.buffers()]
+    teacher_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    score = next(stage for stage in plan.stages if stage.stage == "score")
+    # The plan counts each storage in the CUDA allocator's 512-byte blocks.
+    assert teacher_bytes <= score.by_category["teacher"] <= teacher_bytes + 512 * len(tensors)
+    assert [stage.stage for stage in plan.stages] == list(STAGES)
