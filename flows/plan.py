@@ -4,6 +4,7 @@ verdict; a recipe that does not fit exits 1 naming the stage, the figure and wha
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 
@@ -123,3 +124,63 @@ def as_json(plan, config: DistillConfig, args: argparse.Namespace, fits: bool, g
             "host_parked_per_gpu": plan.host_parked, "host_per_node": plan.host_parked * gpus_per_node,
             "gpus_per_node": gpus_per_node, "teacher_parameters": plan.parameters}
 
+
+
+# What a plan's figures depend on: the models, the batch layout, the algorithm's options and how [train] holds
+# the models; not the schedule (rollouts, intervals, seed), the learning rates, evaluation or the registry.
+PLANNED_SECTIONS = ("model", "student", "dmd2", "data", "train")
+UNPLANNED_TRAIN = ("rollouts", "seed", "save_interval", "eval_interval", "keep_rollouts", "max_failures")
+
+
+def cached_plan(config: DistillConfig, family, cache_dir: Path):
+    """`plan_memory` of the run, kept in ``<cache_dir>/plans/`` by what its figures depend on (`PLANNED_SECTIONS`,
+    and the teacher's model configs): a rerun, resume or longer run of the same recipe plans in no time."""
+    import hashlib
+
+    from dmd2.config import config_to_dict
+    from infra.trainers.memory_plan import MemoryPlan, plan_memory
+
+    options = {section: values for section, values in config_to_dict(config).items() if section in PLANNED_SECTIONS}
+    for name in UNPLANNED_TRAIN:
+        options["train"].pop(name, None)
+    teacher = Path(config.model.teacher)
+    model_configs = sorted(teacher.glob("*config.json")) + sorted(teacher.glob("*/config.json")) if teacher.is_dir() else []
+    digest = hashlib.sha256(json.dumps([family.name, options], sort_keys=True, default=str).encode())
+    for path in model_configs:
+        digest.update(path.read_bytes())
+    cached = Path(cache_dir) / "plans" / f"{digest.hexdigest()[:32]}.json"
+    if cached.is_file():
+        return MemoryPlan.from_dict(json.loads(cached.read_text()))
+    plan = plan_memory(family.plan_spec(config))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staged = cached.with_suffix(f".{os.getpid()}.tmp")
+    staged.write_text(json.dumps(plan.to_dict()))
+    os.replace(staged, cached)
+    return plan
+
+
+def refuse_unless_fits(config: DistillConfig, family, cache_dir: Path) -> None:
+    """`ConfigError` naming the stage, the figure and the fix if the run's plan does not fit the cluster it is about
+    to use: per GPU against the smallest GPU Ray reports when the ranks take GPUs; with CPU ranks on a local Ray,
+    all of them against this machine's available memory. Asked before any group starts or MLflow run is made."""
+    from infra.trainers.cluster import rank_memory
+    from infra.trainers.memory_plan import RESERVE
+
+    kind, capacity = rank_memory(config.cluster)
+    if kind is None:
+        return  # CPU ranks on a joined cluster: its nodes' memory is not known here
+    plan = cached_plan(config, family, cache_dir)
+    peak, ranks = plan.peak, config.train.world_size
+    hint = f"(`dmd2 plan --gpu-memory {capacity / GiB:.0f}GiB` shows every stage)"
+    if kind == "GPU" and not plan.fits(capacity):
+        raise ConfigError(
+            f"this run does not fit its GPUs: {peak.stage} needs {peak.peak / GiB:.1f} GiB per GPU, more than the "
+            f"{(1 - RESERVE) * capacity / GiB:.1f} GiB usable of the {capacity / GiB:.0f} GiB GPUs Ray reports. To "
+            f"fit, {remedies(config, peak)} {hint}")
+    need = ranks * plan.host_rank_pair
+    if kind == "host" and need > (1 - RESERVE) * capacity:
+        raise ConfigError(
+            f"this run does not fit this machine's memory: its {ranks} CPU rank pair(s) need {need / GiB:.1f} GiB "
+            f"({plan.host_rank_pair / GiB:.1f} GiB each: both groups' weights and optimizer state, the teacher, and "
+            f"{peak.stage}'s {peak.peak / GiB:.1f} GiB at its peak), more than the {(1 - RESERVE) * capacity / GiB:.1f} "
+            f"GiB usable of the {capacity / GiB:.1f} GiB available. To fit, {remedies(config, peak)}; or run on GPUs")

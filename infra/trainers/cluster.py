@@ -161,6 +161,29 @@ def first_bundle_on_each_node(group: PlacementGroup) -> dict[int, str]:
     return {bundle: f"{ips.get(node, 'node')}-{node[:6]}" for node, bundle in first.items()}
 
 
+def rank_memory(cluster: ClusterConfig) -> tuple[str | None, int]:
+    """The memory one GPU's pair of ranks (rank i of each group) has: ("GPU", the total bytes of a GPU, asked of one
+    through Ray) when the ranks take GPUs; ("host", the bytes available on this machine now) for CPU ranks on a
+    local Ray; (None, 0) for CPU ranks on a joined cluster, whose nodes' memory is not known here."""
+    gpus = cluster.gpus_per_rank
+    if gpus is None:  # as `rank_resources` decides it
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    if gpus > 0:
+        return "GPU", ray.get(_gpu_memory.remote(), timeout=300)
+    if is_local_cluster():
+        import psutil
+
+        return "host", psutil.virtual_memory().available
+    return None, 0
+
+
+@ray.remote(num_gpus=1, num_cpus=0)
+def _gpu_memory() -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory
+
+
 def rank_resources(cluster: ClusterConfig, groups: int, world_size: int = 1) -> RankResources:
     """What one rank of one of `groups` groups of `world_size` ranks asks for, from `[cluster]` and what the Ray
     cluster has.

@@ -60,9 +60,23 @@ class MemoryPlan:
     def peak(self) -> StagePeak:
         return max(self.stages, key=lambda stage: stage.peak)
 
+    @property
+    def host_rank_pair(self) -> int:
+        """Bytes one GPU's two ranks take when their "GPU" is host memory (CPU ranks): what sleeps stays in the same
+        memory, so the largest stage and everything parked meanwhile."""
+        return self.peak.peak + self.host_parked
+
     def fits(self, gpu_bytes: int) -> bool:
         """Whether every stage leaves `RESERVE` of a GPU of ``gpu_bytes`` free."""
         return self.peak.peak <= (1 - RESERVE) * gpu_bytes
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MemoryPlan:
+        return cls(data["world_size"], tuple(StagePeak(**stage) for stage in data["stages"]), data["host_parked"],
+                   data["parameters"])
 
 
 @dataclass
