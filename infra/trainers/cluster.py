@@ -161,15 +161,23 @@ def first_bundle_on_each_node(group: PlacementGroup) -> dict[int, str]:
     return {bundle: f"{ips.get(node, 'node')}-{node[:6]}" for node, bundle in first.items()}
 
 
-def rank_memory(cluster: ClusterConfig) -> tuple[str | None, int]:
+def rank_memory(cluster: ClusterConfig, timeout_s: float = 120.0) -> tuple[str | None, int]:
     """The memory one GPU's pair of ranks (rank i of each group) has: ("GPU", the total bytes of a GPU, asked of one
     through Ray) when the ranks take GPUs; ("host", the bytes available on this machine now) for CPU ranks on a
-    local Ray; (None, 0) for CPU ranks on a joined cluster, whose nodes' memory is not known here."""
+    local Ray; (None, 0) for CPU ranks on a joined cluster, whose nodes' memory is not known here, or when no GPU
+    answers within ``timeout_s`` (all busy: the groups will wait for them too)."""
     gpus = cluster.gpus_per_rank
     if gpus is None:  # as `rank_resources` decides it
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
     if gpus > 0:
-        return "GPU", ray.get(_gpu_memory.remote(), timeout=300)
+        asked = _gpu_memory.remote()
+        try:
+            return "GPU", ray.get(asked, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(asked)
+            logger.warning("no GPU could be asked its memory within %.0f s (all busy?): the run's memory plan is "
+                           "not checked against its GPUs", timeout_s)
+            return None, 0
     if is_local_cluster():
         import psutil
 
