@@ -11,9 +11,10 @@ pairs, each group's `train_steps` with its hooks, the teacher's scoring) while `
 counts every live storage by category. Nothing is computed, so a plan of SD3.5 at 1024 px runs on a CPU.
 
 The optimizer state is made before the rollout (AdamW makes its moments at its first step): the plan is of a
-rollout in the middle of a run. DDP is planned as one whole replica per rank (its buckets hold the gradients
-as views: the same bytes). Not in the figures: the CUDA context, NCCL's buffers and the allocator's
-fragmentation, for which a fit keeps `RESERVE` of each GPU free.
+rollout in the middle of a run. DDP is planned as one unwrapped replica per rank. Not in the figures: DDP's
+gradient buckets (one model's gradients, alive while a DDP group is awake at world size > 1), the buffers of
+collectives still in flight (FSDP2's reduce-scatters: a real rank can hold up to ~20% more, BENCHMARKS.md), the
+CUDA context, NCCL's buffers and the allocator's fragmentation, for which a fit keeps `RESERVE` of each GPU free.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ def gpu_models(spec: RunSpec, load: Load, mesh=None) -> GpuModels:
         model = held_model(role_model(load(trainer.init, None), family, trainer, config), config, mesh)
         state = train_state(model, trainer.lr, config, family.velocity, trainer.ema_decay, trainer.steps_per_rollout)
         state.velocity = tapped(rank_velocity(family, model, config, DEVICE), model)
-        states[trainer.role], hooks[trainer.role] = _with_optimizer_state(state), resolve_hooks(trainer.hooks,
-                                                                                                 trainer.role)
+        states[trainer.role] = _with_optimizer_state(state)
+        hooks[trainer.role] = resolve_hooks(trainer.hooks, trainer.role)
         if trainer.teacher is not None:
             teacher = load(trainer.teacher, teacher_dtype(config)).eval().requires_grad_(False)
     return GpuModels(spec, states["actor"], states["critic"], teacher, hooks)
