@@ -12,7 +12,7 @@ from typing import Iterable, TypeVar
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily  # is_fake: also the families'
 
 Record = TypeVar("Record")
 
@@ -55,9 +55,6 @@ def on_host() -> Iterator[None]:
     runs the device work on fake ones (torch's `FakeTensorMode`): it is small, and its values decide shapes."""
     with unset_fake_temporarily():
         yield
-
-
-__all__ = ["is_fake"]  # re-exported: whether a tensor is a plan's fake one
 
 
 def figure(tensor: Tensor) -> float:
