@@ -4,6 +4,7 @@ verdict; a recipe that does not fit exits 1 naming the stage, the figure and wha
 
 import argparse
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 from dmd2.config import ConfigError, DistillConfig, load_recipe, parse_overrides
 from flows.recipe import DEFAULT_RECIPE, RECIPES
 
+logger = logging.getLogger(__name__)
 GiB = 2**30
 UNITS = {"": GiB, "gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}
 COLUMNS = (("weights", "weights"), ("gradients", "grads"), ("optimizer", "optim"), ("teacher", "teacher"),
@@ -151,6 +153,8 @@ def cached_plan(config: DistillConfig, family, cache_dir: Path):
     cached = Path(cache_dir) / "plans" / f"{digest.hexdigest()[:32]}.json"
     if cached.is_file():
         return MemoryPlan.from_dict(json.loads(cached.read_text()))
+    logger.info("planning the run's memory per GPU: rehearsing a rollout on fake tensors (once per recipe; SD3.5 "
+                "takes about a minute)")
     plan = plan_memory(family.plan_spec(config))
     cached.parent.mkdir(parents=True, exist_ok=True)
     staged = cached.with_suffix(f".{os.getpid()}.tmp")
@@ -178,6 +182,9 @@ def refuse_unless_fits(config: DistillConfig, family, cache_dir: Path) -> None:
             f"{(1 - RESERVE) * capacity / GiB:.1f} GiB usable of the {capacity / GiB:.0f} GiB GPUs Ray reports. To "
             f"fit, {remedies(config, peak)} {hint}")
     need = ranks * plan.host_rank_pair
+    logger.info("memory plan: peak %.2f GiB per GPU in %s; %s %.1f GiB", peak.peak / GiB, peak.stage,
+                "GPUs of" if kind == "GPU" else f"{ranks} CPU rank pair(s) need {need / GiB:.2f} GiB of the available",
+                capacity / GiB)
     if kind == "host" and need > (1 - RESERVE) * capacity:
         raise ConfigError(
             f"this run does not fit this machine's memory: its {ranks} CPU rank pair(s) need {need / GiB:.1f} GiB "
