@@ -176,6 +176,7 @@ def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], par
     hooks, steps = _first_and_last(gpu.hooks["critic"], plan.critic_steps)
     with stage("critic-train"):
         _, kept = train_steps(gpu.critic, hooks, HookContext(plan, config.dmd2, 0, {}, real), pairs, steps)
+    gpu.critic.optimizer.zero_grad(set_to_none=True)  # as `RankWorker.score`: the last step's gradients go first
     parking.unpark("teacher")
     with stage("score"):
         scores = score(rank_velocity(family, gpu.teacher, config, DEVICE), kept, pairs,

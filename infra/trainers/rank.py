@@ -208,6 +208,9 @@ class RankWorker:
         if self.teacher is None:
             raise RuntimeError(f"the {self.trainer.role} group holds no teacher; score on the critic group")
         self.wake()
+        # The last step's gradients: nothing reads them again (every step starts from zero_grad), and beside the
+        # teacher they made scoring the largest stage of the SD3.5 recipes (`dmd2 plan`, docs/scale.md).
+        self.state.optimizer.zero_grad(set_to_none=True)
         self._teacher_host.restore()
         try:
             scores = score(self._velocity(self.teacher), get_record(self.store, kept, self.device),  # the critic
