@@ -54,14 +54,16 @@ def planned_config(recipe: Path, overrides: list[str], gpus: int | None) -> Dist
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from dmd2.family import family_for
-    from infra.trainers.memory_plan import RESERVE, plan_memory
-
     config = planned_config(args.recipe, args.overrides, args.gpus)
     train = config.train
-    gpus_per_node = args.gpus_per_node or min(train.world_size, 8)
+    gpus_per_node = min(train.world_size, 8) if args.gpus_per_node is None else args.gpus_per_node
     if gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    if args.json is not None and not args.json.parent.is_dir():  # refused now, not after a minute of planning
+        raise ConfigError(f"--json {args.json}: its folder {args.json.parent} does not exist")
+    from dmd2.family import family_for  # the bad input above is refused before torch loads
+    from infra.trainers.memory_plan import RESERVE, plan_memory
+
     family = family_for(config.model)
     print(f"planning {args.recipe} on {train.world_size} GPU(s) of {args.gpu_memory / GiB:.0f} GiB: {layout(config)}; "
           f"B = {config.critic_batch_size} samples per GPU per critic step (rehearsing a rollout on fake tensors)...",

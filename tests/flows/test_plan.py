@@ -51,6 +51,8 @@ def exit_status(args: list[str]) -> int:
     (["--gpu-memory", "8GiB", "--gpus", "0"], "--gpus must be >= 1"),
     (["--gpu-memory", "8GiB", "--recipe", "no-such.toml"], "--recipe no-such.toml does not exist"),
     (["--gpu-memory", "8GiB", "--set", "train.nope=1"], "nope"),
+    (["--gpu-memory", "8GiB", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1"),
+    (["--gpu-memory", "8GiB", "--json", "no/such/folder/plan.json"], "--json no/such/folder/plan.json: its folder"),
 ])
 def test_bad_input_is_refused_naming_the_option(args, message, capsys):
     assert exit_status(args) == 2
