@@ -137,6 +137,11 @@ class TrainConfig:
     activation_checkpointing: bool = option(False, "Recompute each block's activations in backward instead of "
                                                    "keeping them (diffusers' gradient checkpointing): less memory, "
                                                    "about a third more compute per step.")
+    sleep: str = option("always", "`always`: a group parks its weights and optimizer state in host memory after its "
+                                  "stage, and the teacher is on the device only while scoring (one group's state on a "
+                                  "GPU at a time); `never`: everything stays resident (no copies); `auto`: `never` "
+                                  "when `dmd2 plan` says both groups and the teacher fit the run's devices together, "
+                                  "else `always` (decided by the distill flow before the groups start).")
     keep_rollouts: int = option(
         2, "Rollouts whose artifacts stay in the store (the newest); older ones are deleted as the run goes, "
         "checkpoints never. Set it >= rollouts to keep them all."

@@ -18,6 +18,7 @@ PRECISIONS = ("no", "bf16")  # [train] mixed_precision
 CRITIC_SCORING_MODES = ("fused", "original")  # [dmd2] critic_scoring
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD")  # [cluster] placement_strategy
 PARALLELISMS = ("ddp", "fsdp")  # [train] parallel
+SLEEPS = ("always", "never", "auto")  # [train] sleep
 
 
 class ConfigError(ValueError):
@@ -52,6 +53,7 @@ def validate(config: "DistillConfig") -> None:
     _check(train.mixed_precision in PRECISIONS,
            f"[train] mixed_precision must be one of {PRECISIONS}, got {train.mixed_precision!r}")
     _check(train.parallel in PARALLELISMS, f"[train] parallel must be one of {PARALLELISMS}, got {train.parallel!r}")
+    _check(train.sleep in SLEEPS, f"[train] sleep must be one of {SLEEPS}, got {train.sleep!r}")
     cluster = config.cluster
     _check(cluster.gpus_per_rank is None or cluster.gpus_per_rank >= 0,
            f"[cluster] gpus_per_rank must be >= 0 (0: CPU ranks), got {cluster.gpus_per_rank}")

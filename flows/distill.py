@@ -25,7 +25,7 @@ from dmd2.family import ModelFamily, default_cache_dir, family_class
 from dmd2.report import format_table
 from dmd2.progress import progress_bar
 from flows.outputs import RunResult, find_result, save_result, write_outputs
-from flows.plan import refuse_unless_fits
+from flows.plan import fit_to_cluster
 from flows.preflight import preflight
 from flows.recipe import DEFAULT_RECIPE, check_run_id
 from flows.rollout import rollout_flow
@@ -103,7 +103,7 @@ def distill(
             os.environ["RAY_ADDRESS"] = ray_address
         if find_result(store, run_id, config.train.rollouts) is None:  # a run to train must fit its cluster
             ensure_ray()
-            refuse_unless_fits(config, family, cache)  # before any group starts, and before MLflow hears of it
+            config = fit_to_cluster(config, family, cache)  # before any group starts, and before MLflow hears of it
         return _tracked(config, family, run_id, store, outputs, cache, str(recipe), tracking_uri, lease)
 
 

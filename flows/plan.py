@@ -77,6 +77,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"GiB ({RESERVE:.0%} of each GPU is kept for the CUDA context, NCCL and fragmentation)")
     print(f"host memory per node for sleeping groups: {plan.host_parked * gpus_per_node / GiB:.0f} GiB "
           f"({gpus_per_node} GPU(s) x {plan.host_parked / GiB:.1f} GiB)")
+    together = plan.resident <= usable
+    print(f"with nothing asleep (both groups and the teacher resident): {plan.resident / GiB:.1f} GiB per GPU: "
+          + ('[train] sleep = "auto" keeps every group resident (no copies)' if together
+             else '[train] sleep = "auto" sleeps each group after its stage'))
     fits = plan.fits(args.gpu_memory)
     if args.json:
         args.json.write_text(json.dumps(as_json(plan, config, args, fits, gpus_per_node), indent=1) + "\n")
@@ -125,7 +129,7 @@ def as_json(plan, config: DistillConfig, args: argparse.Namespace, fits: bool, g
     return {"recipe": str(args.recipe), "overrides": list(args.overrides), "world_size": config.train.world_size,
             "gpu_memory_bytes": args.gpu_memory, "fits": fits, "peak_stage": plan.peak.stage,
             "stages": {stage.stage: {"peak": stage.peak, **stage.by_category} for stage in plan.stages},
-            "host_parked_per_gpu": plan.host_parked, "host_per_node": plan.host_parked * gpus_per_node,
+            "host_parked_per_gpu": plan.host_parked, "resident_peak": plan.resident, "host_per_node": plan.host_parked * gpus_per_node,
             "gpus_per_node": gpus_per_node, "teacher_parameters": plan.parameters}
 
 
@@ -133,7 +137,8 @@ def as_json(plan, config: DistillConfig, args: argparse.Namespace, fits: bool, g
 # What a plan's figures depend on: the models, the batch layout, the algorithm's options and how [train] holds
 # the models; not the schedule (rollouts, intervals, seed), the learning rates, evaluation or the registry.
 PLANNED_SECTIONS = ("model", "student", "dmd2", "data", "train")
-UNPLANNED_TRAIN = ("rollouts", "seed", "save_interval", "eval_interval", "keep_rollouts", "max_failures")
+UNPLANNED_TRAIN = ("rollouts", "seed", "save_interval", "eval_interval", "keep_rollouts", "max_failures", "sleep")
+PLAN_FORMAT = 2  # of the cached plans: a plan of another format is made again
 
 
 def cached_plan(config: DistillConfig, family, cache_dir: Path):
@@ -149,7 +154,7 @@ def cached_plan(config: DistillConfig, family, cache_dir: Path):
         options["train"].pop(name, None)
     teacher = Path(config.model.teacher)
     model_configs = sorted(teacher.glob("*config.json")) + sorted(teacher.glob("*/config.json")) if teacher.is_dir() else []
-    digest = hashlib.sha256(json.dumps([family.name, options], sort_keys=True, default=str).encode())
+    digest = hashlib.sha256(json.dumps([PLAN_FORMAT, family.name, options], sort_keys=True, default=str).encode())
     for path in model_configs:
         digest.update(path.read_bytes())
     cached = Path(cache_dir) / "plans" / f"{digest.hexdigest()[:32]}.json"
@@ -165,16 +170,17 @@ def cached_plan(config: DistillConfig, family, cache_dir: Path):
     return plan
 
 
-def refuse_unless_fits(config: DistillConfig, family, cache_dir: Path) -> None:
-    """`ConfigError` naming the stage, the figure and the fix if the run's plan does not fit the cluster it is about
-    to use: per GPU against the smallest GPU Ray reports when the ranks take GPUs; with CPU ranks on a local Ray,
-    all of them against this machine's available memory. Asked before any group starts or MLflow run is made."""
+def fit_to_cluster(config: DistillConfig, family, cache_dir: Path) -> DistillConfig:
+    """The run's config for the cluster it is about to use, asked before any group starts or MLflow run is made:
+    `ConfigError` naming the stage, the figure and the fix if its plan does not fit (per GPU against the GPUs Ray
+    reports when the ranks take GPUs; with CPU ranks on a local Ray, all of them against this machine's available
+    memory), and `[train] sleep = "auto"` decided (`resolve_sleep`)."""
     from infra.trainers.cluster import rank_memory
     from infra.trainers.memory_plan import RESERVE
 
     kind, capacity = rank_memory(config.cluster)
-    if kind is None:
-        return  # CPU ranks on a joined cluster: its nodes' memory is not known here
+    if kind is None:  # CPU ranks on a joined cluster: its nodes' memory is not known here
+        return resolve_sleep(config, None, kind, capacity)
     plan = cached_plan(config, family, cache_dir)
     peak, ranks = plan.peak, config.train.world_size
     hint = f"(`dmd2 plan --gpu-memory {capacity / GiB:.0f}GiB` shows every stage)"
@@ -193,3 +199,17 @@ def refuse_unless_fits(config: DistillConfig, family, cache_dir: Path) -> None:
             f"({plan.host_rank_pair / GiB:.1f} GiB each: both groups' weights and optimizer state, the teacher, and "
             f"{peak.stage}'s {peak.peak / GiB:.1f} GiB at its peak), more than the {(1 - RESERVE) * capacity / GiB:.1f} "
             f"GiB usable of the {capacity / GiB:.1f} GiB available. To fit, {remedies(config, peak)}; or run on GPUs")
+    return resolve_sleep(config, plan, kind, capacity)
+
+
+def resolve_sleep(config: DistillConfig, plan, kind: str | None, capacity: int) -> DistillConfig:
+    """`[train] sleep = "auto"` decided: "never" (no copies) when both groups and the teacher fit a GPU together
+    (`MemoryPlan.resident`) and for CPU ranks (what sleeps stays in the same memory: nothing to gain), else
+    "always"; any other value as it is."""
+    from infra.trainers.memory_plan import RESERVE
+
+    if config.train.sleep != "auto":
+        return config
+    together = kind == "host" or (kind == "GPU" and plan.resident <= (1 - RESERVE) * capacity)
+    logger.info("[train] sleep = auto: %s", "never (both groups fit together)" if together else "always")
+    return config.replace("train", sleep="never" if together else "always")

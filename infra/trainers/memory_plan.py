@@ -56,6 +56,7 @@ class MemoryPlan:
     stages: tuple[StagePeak, ...]
     host_parked: int
     parameters: int  # the teacher's
+    resident: int = 0  # the largest stage with nothing asleep: both groups and the teacher on the GPU (sleep = never)
 
     @property
     def peak(self) -> StagePeak:
@@ -77,7 +78,7 @@ class MemoryPlan:
     @classmethod
     def from_dict(cls, data: dict) -> MemoryPlan:
         return cls(data["world_size"], tuple(StagePeak(**stage) for stage in data["stages"]), data["host_parked"],
-                   data["parameters"])
+                   data["parameters"], data["resident"])
 
 
 @dataclass
@@ -218,21 +219,23 @@ def plan_memory(spec: RunSpec) -> MemoryPlan:
                 host = _HostHighWater(ledger)
                 rehearse(gpu, host.stage, LedgerParking(ledger))
     parameters = sum(p.numel() for p in gpu.teacher.parameters())
-    return MemoryPlan(config.train.world_size, tuple(ledger.peaks), host.most, parameters)
+    return MemoryPlan(config.train.world_size, tuple(ledger.peaks), host.most, parameters, host.resident)
 
 
 class _HostHighWater:
-    """The most bytes parked in host memory at any stage's start or end (a sleeping group's state is constant)."""
+    """The most bytes parked in host memory at any stage (groups sleep and wake between stages, so what is parked
+    is constant through one), and the largest stage with them resident too."""
 
     def __init__(self, ledger: MemoryLedger):
-        self.ledger, self.most = ledger, 0
+        self.ledger, self.most, self.resident = ledger, 0, 0
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        self.most = max(self.most, self.ledger.parked)
+        parked = self.ledger.parked
         with self.ledger.stage(name):
             yield
-        self.most = max(self.most, self.ledger.parked)
+        self.most = max(self.most, parked)
+        self.resident = max(self.resident, self.ledger.peaks[-1].peak + parked)
 
 
 @contextmanager

@@ -94,6 +94,9 @@ class RankWorker:
         self._evaluator = None
         self._sleeping, self._teacher_host = HostCopy(), HostCopy()
         self.sharded = spec.config.train.parallel == "fsdp"
+        # `[train] sleep`: "never" keeps everything resident; "auto" reaches a rank already decided by the distill
+        # flow (flows/plan.py `resolve_sleep`), and undecided (groups built without the flow) it sleeps.
+        self.sleeps = spec.config.train.sleep != "never"
         self._system_metrics = system_metrics.start() if system_metrics else None
 
     # -- setup ----------------------------------------------------------------------------------
@@ -136,7 +139,8 @@ class RankWorker:
         if self.trainer.teacher is not None:
             teacher = own_storage(family.load_model(self.trainer.teacher, teacher_dtype(config)).to(self.device))
             self.teacher = teacher.eval().requires_grad_(False)
-            self._teacher_host.offload(module_tensors(self.teacher))  # on the device only while scoring
+            if self.sleeps:
+                self._teacher_host.offload(module_tensors(self.teacher))  # on the device only while scoring
         self.sleep()  # asleep until its first stage: at no time are two groups awake for nothing
         logger.info("ready: %s from %s on %s (%s)", self.trainer.role, self.trainer.init, self.device, backend)
 
@@ -211,13 +215,15 @@ class RankWorker:
         # The last step's gradients: nothing reads them again (every step starts from zero_grad), and beside the
         # teacher they made scoring the largest stage of the SD3.5 recipes (`dmd2 plan`, docs/scale.md).
         self.state.optimizer.zero_grad(set_to_none=True)
-        self._teacher_host.restore()
+        if self._teacher_host.parked:
+            self._teacher_host.restore()
         try:
             scores = score(self._velocity(self.teacher), get_record(self.store, kept, self.device),  # the critic
                            get_record(self.store, pairs, self.device), self._ctx(rollout_id),  # unwrapped: no DDP
                            tapped(self._velocity(self.module), self.module))
         finally:
-            self._teacher_host.offload(module_tensors(self.teacher))  # offloaded after scoring (architecture §1.4)
+            if self.sleeps:
+                self._teacher_host.offload(module_tensors(self.teacher))  # offloaded after scoring (architecture §1.4)
         return put_record(self.store, run_id, rollout_id, "score", self.rank, scores)
 
     # -- sleep / wake --------------------------------------------------------------------------
@@ -239,10 +245,13 @@ class RankWorker:
         return not self._sleeping.parked
 
     def sleep(self) -> dict[str, int]:
-        """Weights and optimizer state leave the accelerator (the teacher already has); idempotent."""
+        """Weights and optimizer state leave the accelerator (the teacher already has); idempotent. With `[train]
+        sleep = "never"` only the gradients go: nothing is copied."""
         if self._sleeping.parked:
             return {"offloaded_bytes": 0}
         self.state.optimizer.zero_grad(set_to_none=True)  # the next step recomputes them: nothing to keep
+        if not self.sleeps:
+            return {"offloaded_bytes": 0}
         self.state.model = self.state.velocity = None  # DDP's wrapper goes, and its gradient buckets with it
         ema = self.state.ema.local_tensors() if self.state.ema is not None else []
         moved = self._sleeping.offload(module_tensors(self.module) + optimizer_tensors(self.state.optimizer) + ema)

@@ -16,6 +16,7 @@ import torch
 from diffusers import AutoModel
 
 from dmd2.loop import InProcessDistiller
+from flows.plan import resolve_sleep
 from infra.trainers.cluster import RankResources, rank_placement_group
 from infra.trainers.group import TrainerGroup, TrainResult, death_note
 from infra.trainers.hooks import HookError
@@ -109,6 +110,30 @@ def test_world_size_2_makes_the_same_updates_as_world_size_1(world1, world2):
             assert two[key] == pytest.approx(one[key], rel=1e-4), key
     # DDP keeps the ranks identical.
     assert all(len(set(ranks)) == 1 for ranks in world2["final"].values())
+
+
+def test_sleep_auto_on_cpu_ranks_keeps_every_group_resident_and_trains_the_same_student(world1, tiny_teacher,
+                                                                                        tmp_path):
+    """`[train] sleep = "auto"` for CPU ranks is "never" (flows/plan.py `resolve_sleep`: what sleeps would stay in
+    the same memory): no group is ever offloaded, and the weights are world 1's, whose groups slept after every
+    stage, bit for bit."""
+    config = resolve_sleep(tiny_config(tiny_teacher, 1).replace("train", sleep="auto"), None, "host", 0)
+    assert config.train.sleep == "never"
+    store = new_store(tmp_path)
+    groups = build_groups(run_spec(config), store)
+    try:
+        ledger = [groups.awake_roles()]
+        for rollout in range(ROLLOUTS):
+            run_rollout_on_groups(groups, RUN, rollout)
+            ledger.append(groups.awake_roles())
+        resident = weights(groups, store, "resident")
+    finally:
+        groups.shutdown()
+    assert ledger == [["critic", "actor"]] * (ROLLOUTS + 1)
+    for role in ("actor", "critic"):
+        assert resident[role].keys() == world1["weights"][role].keys()
+        for name, tensor in resident[role].items():
+            assert torch.equal(tensor, world1["weights"][role][name]), (role, name)
 
 
 def test_world_size_1_matches_the_in_process_loop(world1, tiny_teacher):
