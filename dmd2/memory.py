@@ -55,7 +55,7 @@ class MemoryLedger(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self._entries = WeakIdKeyDictionary()  # storage -> [nbytes, category]
+        self._entries = WeakIdKeyDictionary()  # storage -> [nbytes, category, parked]
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
         self.parked = 0  # bytes parked in host memory (`park`), not on the device

@@ -112,7 +112,8 @@ def remedies(config: DistillConfig, peak) -> str:
     state = parts["weights"] + parts["gradients"] + parts["optimizer"]
     options = []
     if train.parallel != "fsdp" and state > 0.2 * peak.peak:
-        options.append((state, 'set [train] parallel = "fsdp" (shards weights, gradients and AdamW state over the GPUs)'))
+        options.append((state, 'set [train] parallel = "fsdp" (shards weights, gradients and AdamW state over the '
+                               'GPUs)'))
     if train.mixed_precision != "bf16":
         options.append((parts["activations"] + parts["teacher"],
                         'set [train] mixed_precision = "bf16" (bf16 compute and a bf16 teacher)'))
@@ -129,7 +130,8 @@ def as_json(plan, config: DistillConfig, args: argparse.Namespace, fits: bool, g
     return {"recipe": str(args.recipe), "overrides": list(args.overrides), "world_size": config.train.world_size,
             "gpu_memory_bytes": args.gpu_memory, "fits": fits, "peak_stage": plan.peak.stage,
             "stages": {stage.stage: {"peak": stage.peak, **stage.by_category} for stage in plan.stages},
-            "host_parked_per_gpu": plan.host_parked, "resident_peak": plan.resident, "host_per_node": plan.host_parked * gpus_per_node,
+            "host_parked_per_gpu": plan.host_parked, "resident_peak": plan.resident,
+            "host_per_node": plan.host_parked * gpus_per_node,
             "gpus_per_node": gpus_per_node, "teacher_parameters": plan.parameters}
 
 
@@ -153,7 +155,7 @@ def cached_plan(config: DistillConfig, family, cache_dir: Path):
     for name in UNPLANNED_TRAIN:
         options["train"].pop(name, None)
     teacher = Path(config.model.teacher)
-    model_configs = sorted(teacher.glob("*config.json")) + sorted(teacher.glob("*/config.json")) if teacher.is_dir() else []
+    model_configs = sorted([*teacher.glob("*config.json"), *teacher.glob("*/config.json")]) if teacher.is_dir() else []
     digest = hashlib.sha256(json.dumps([PLAN_FORMAT, family.name, options], sort_keys=True, default=str).encode())
     for path in model_configs:
         digest.update(path.read_bytes())
@@ -197,8 +199,9 @@ def fit_to_cluster(config: DistillConfig, family, cache_dir: Path) -> DistillCon
         raise ConfigError(
             f"this run does not fit this machine's memory: its {ranks} CPU rank pair(s) need {need / GiB:.1f} GiB "
             f"({plan.host_rank_pair / GiB:.1f} GiB each: both groups' weights and optimizer state, the teacher, and "
-            f"{peak.stage}'s {peak.peak / GiB:.1f} GiB at its peak), more than the {(1 - RESERVE) * capacity / GiB:.1f} "
-            f"GiB usable of the {capacity / GiB:.1f} GiB available. To fit, {remedies(config, peak)}; or run on GPUs")
+            f"{peak.stage}'s {peak.peak / GiB:.1f} GiB at its peak), more than the "
+            f"{(1 - RESERVE) * capacity / GiB:.1f} GiB usable of the {capacity / GiB:.1f} GiB available. To fit, "
+            f"{remedies(config, peak)}; or run on GPUs")
     return resolve_sleep(config, plan, kind, capacity)
 
 

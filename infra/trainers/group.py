@@ -84,6 +84,7 @@ class TrainerGroup:
                              f"[train] world_size = {spec.config.train.world_size}: make them equal")
         resolve_hooks(trainer.hooks, trainer.role)  # a bad hook path fails here, before any rank worker starts
         self.role, self.world_size, self.store = trainer.role, world_size, store
+        system_metrics = system_metrics or {}
         worker = ray.remote(RankWorker)
         self.ranks = []
         for rank in range(world_size):
@@ -92,7 +93,7 @@ class TrainerGroup:
             options = dict(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
                            resources=dict(resources.custom), scheduling_strategy=strategy)
             self.ranks.append(worker.options(**options).remote(trainer, spec, store, rank, world_size, num_threads,
-                                                                   resources.num_gpus, (system_metrics or {}).get(rank)))
+                                                                   resources.num_gpus, system_metrics.get(rank)))
         self.rendezvous: tuple[str, int] | None = None
         self._joining: list[ray.ObjectRef] = []
         if wait:

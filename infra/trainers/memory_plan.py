@@ -39,7 +39,7 @@ from dmd2.trainer import HookContext, Hooks, TrainState, train_state, train_step
 from infra.trainers.configs import compute_trainer_configs
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.models import held_model, rank_velocity, role_model, teacher_dtype
-from infra.trainers.offload import module_tensors, optimizer_tensors
+from infra.trainers.offload import module_tensors, optimizer_tensors, sleeping_tensors
 
 STAGES = ("rollout", "convert", "critic-train", "score", "actor-train")
 RESERVE = 0.10  # of each GPU, for what the figures leave out (see the module docstring)
@@ -140,13 +140,6 @@ class LedgerParking(Parking):
         self.ledger.unpark(self._parked.pop(name))
 
 
-def _state_tensors(state: TrainState) -> list[Tensor]:
-    """What a group's sleep parks (`RankWorker.sleep`): weights, optimizer state, EMA; gradients are dropped."""
-    state.optimizer.zero_grad(set_to_none=True)
-    ema = state.ema.local_tensors() if state.ema is not None else []
-    return module_tensors(state.model) + optimizer_tensors(state.optimizer) + ema
-
-
 def _first_and_last(hooks: Hooks, steps: int) -> tuple[Hooks, int]:
     """Of a group's ``steps`` optimizer steps, the first and the last (which keeps what scoring needs): with the
     optimizer state made, every middle step repeats the first's memory, and rehearsing them would only cost time.
@@ -164,7 +157,7 @@ def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], par
     config, family = spec.config, spec.family
     plan = rollout_plan(config, 0, spec.sample_shape)
     real = family.real_source(spec)
-    parking.park("critic", _state_tensors(gpu.critic))
+    parking.park("critic", sleeping_tensors(gpu.critic.model, gpu.critic))
     parking.park("teacher", module_tensors(gpu.teacher))
     with stage("rollout"):
         samples = rollout_shard(rank_velocity(family, gpu.actor.model, config, DEVICE), spec.conds, plan, 0, DEVICE,
@@ -172,7 +165,7 @@ def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], par
     with stage("convert"):
         pairs = samples_to_train_pairs(samples, config.student.num_steps)
     del samples
-    parking.park("actor", _state_tensors(gpu.actor))
+    parking.park("actor", sleeping_tensors(gpu.actor.model, gpu.actor))
     parking.unpark("critic")
     hooks, steps = _first_and_last(gpu.hooks["critic"], plan.critic_steps)
     with stage("critic-train"):
@@ -184,7 +177,7 @@ def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], par
                        HookContext(plan, config.dmd2, 0, {}, real), gpu.critic.velocity)
     del kept
     parking.park("teacher", module_tensors(gpu.teacher))
-    parking.park("critic", _state_tensors(gpu.critic))
+    parking.park("critic", sleeping_tensors(gpu.critic.model, gpu.critic))
     parking.unpark("actor")
     with stage("actor-train"):
         train_steps(gpu.actor, gpu.hooks["actor"], HookContext(plan, config.dmd2, 0, {"critic": scores}, real),

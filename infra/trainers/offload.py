@@ -14,6 +14,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from dmd2.trainer import TrainState
+
 logger = logging.getLogger(__name__)
 
 
@@ -52,6 +54,14 @@ def own_storage(module: nn.Module) -> nn.Module:
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """Every tensor of the optimizer's per-parameter state (AdamW: step, exp_avg, exp_avg_sq)."""
     return [local(value) for state in optimizer.state.values() for value in state.values() if isinstance(value, Tensor)]
+
+
+def sleeping_tensors(module: nn.Module, state: TrainState) -> list[Tensor]:
+    """What a group's sleep parks: its model's weights, optimizer state and EMA (gradients are dropped first). The
+    rank's sleep and `dmd2 plan`'s rehearsal of it (infra/trainers/memory_plan.py) both park these."""
+    state.optimizer.zero_grad(set_to_none=True)  # the next step recomputes them: nothing to keep
+    ema = state.ema.local_tensors() if state.ema is not None else []
+    return module_tensors(module) + optimizer_tensors(state.optimizer) + ema
 
 
 class HostCopy:

@@ -37,7 +37,7 @@ from dmd2.trainer import HookContext, train_state, train_steps
 from infra.trainers.collective import gather_rows, on_every_rank, on_rank0
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.models import held_model, rank_velocity, role_model, teacher_dtype
-from infra.trainers.offload import HostCopy, module_tensors, optimizer_tensors, own_storage
+from infra.trainers.offload import HostCopy, module_tensors, own_storage, sleeping_tensors
 from infra.trainers.parallel import ddp, free_port, full_state_dict, rank_device, unsharded_copy
 from infra.trainers.payloads import get_record, put_record
 from infra.trainers.prepare import load_prepared
@@ -249,13 +249,11 @@ class RankWorker:
         sleep = "never"` only the gradients go: nothing is copied."""
         if self._sleeping.parked:
             return {"offloaded_bytes": 0}
-        self.state.optimizer.zero_grad(set_to_none=True)  # the next step recomputes them: nothing to keep
+        parked = sleeping_tensors(self.module, self.state)  # drops the gradients
         if not self.sleeps:
             return {"offloaded_bytes": 0}
         self.state.model = self.state.velocity = None  # DDP's wrapper goes, and its gradient buckets with it
-        ema = self.state.ema.local_tensors() if self.state.ema is not None else []
-        moved = self._sleeping.offload(module_tensors(self.module) + optimizer_tensors(self.state.optimizer) + ema)
-        return {"offloaded_bytes": moved}
+        return {"offloaded_bytes": self._sleeping.offload(parked)}
 
     def wake(self) -> None:
         """Bring back what `sleep` moved, bit for bit; a no-op when awake. Every stage wakes on use."""
