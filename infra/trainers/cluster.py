@@ -94,12 +94,15 @@ class RankResources:
     num_gpus: float = 0.0
     custom: dict[str, float] = field(default_factory=dict)
 
+    def times(self, groups: int) -> "RankResources":
+        """What rank i of ``groups`` colocated groups asks for together (a process holding all of them)."""
+        return RankResources(self.num_cpus * groups, self.num_gpus * groups,
+                             {name: amount * groups for name, amount in self.custom.items()})
+
     def bundle(self, groups: int) -> dict[str, float]:
         """A placement bundle holding rank i of ``groups`` colocated groups."""
-        bundle = {"CPU": self.num_cpus * groups, **{k: v * groups for k, v in self.custom.items()}}
-        if self.num_gpus:
-            bundle["GPU"] = self.num_gpus * groups
-        return bundle
+        together = self.times(groups)
+        return {"CPU": together.num_cpus, **together.custom, **({"GPU": together.num_gpus} if self.num_gpus else {})}
 
 
 def is_local_cluster() -> bool:

@@ -1,6 +1,8 @@
-"""A trainer group: N rank workers (one Ray actor per rank) training one model data-parallel.
+"""A trainer group: N rank workers training one model data-parallel, each in a Ray actor (`RankProcess`).
 
-Every method runs on all ranks and returns one small value per rank (an `ArtifactRef`, a
+Rank i of every group placed together shares one process: torch, diffusers and the model code are imported
+once per rank rather than once per group (~8 s of CPU each), a GPU holds one CUDA context, and the groups share
+one process group (their stages never overlap). Every method runs on all ranks and returns one small value per rank (an `ArtifactRef`, a
 `TrainResult`, a dict of numbers): payloads stay in the artifact store, written and read by the ranks.
 Per-rank inputs are lists indexed by rank; rank i of a later group receives rank i's output of every
 earlier group (`external_data`), which works because both groups share the world size and the
@@ -66,34 +68,73 @@ def _broken_collective(error: BaseException) -> bool:
                                                  and any(sign in str(error) for sign in BROKEN_COLLECTIVE))
 
 
+class RankProcess:
+    """The Ray actor of rank i: the `RankWorker` of each group that shares it, by role. Each method of
+    `RankWorker` is here too, taking the role first, so that Ray titles the process `ray::RankProcess.<method>`
+    while it runs (what `ps` shows)."""
+
+    def __init__(self):
+        self.workers: dict[str, RankWorker] = {}
+
+    def add(self, role: str, *worker_args: Any) -> None:
+        self.workers[role] = RankWorker(*worker_args)
+
+    def remove(self, role: str) -> int:
+        """End ``role``'s worker (it leaves the process group if it is the last); how many workers are left."""
+        worker = self.workers.pop(role)
+        worker.shutdown(leave_process_group=not self.workers)
+        return len(self.workers)
+
+
+def _forwarded(name: str):
+    def method(self: RankProcess, role: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.workers[role], name)(*args, **kwargs)
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name, _attribute in vars(RankWorker).items():
+    if callable(_attribute) and not _name.startswith("_") and _name != "shutdown":
+        setattr(RankProcess, _name, _forwarded(_name))
+
+
+def start_rank_processes(world_size: int, resources: RankResources,
+                         placement: PlacementGroup | None = None) -> list[ray.actor.ActorHandle]:
+    """One `RankProcess` per rank, asking ``resources``: rank i on bundle i of ``placement`` (when given)."""
+    processes = []
+    for rank in range(world_size):
+        strategy = (PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank)
+                    if placement is not None else "DEFAULT")
+        processes.append(ray.remote(RankProcess).options(
+            num_cpus=resources.num_cpus, num_gpus=resources.num_gpus, resources=dict(resources.custom),
+            scheduling_strategy=strategy).remote())
+    return processes
+
+
 class TrainerGroup:
     """``world_size`` ranks of ``trainer.role``, joined by torch.distributed and ready to train.
 
-    ``placement`` puts rank i on bundle i of a placement group (shared with the other groups to
-    colocate them); without it Ray schedules each rank by ``resources`` alone. With ``wait=False`` the
-    rank workers are only started: `join` and `wait_ready` finish the group, so that several groups can
-    start, load and join side by side (`build_groups`). ``system_metrics``: by rank, the ranks that log
+    ``processes``: the `RankProcess` of each rank, shared with other groups (`build_groups`); without them
+    the group starts its own, rank i on bundle i of ``placement`` (or where Ray finds ``resources``). With
+    ``wait=False`` the rank workers are only started: `join` and `wait_ready` finish the group, so that
+    several groups can start, load and join side by side. ``system_metrics``: by rank, the ranks that log
     their node's system metrics (`infra.tracking.system`).
     """
 
     def __init__(self, trainer: TrainerConfig, spec: RunSpec, store: ArtifactStore, world_size: int,
                  resources: RankResources = RankResources(), placement: PlacementGroup | None = None,
-                 num_threads: int = 1, system_metrics: Mapping[int, SystemMetrics] | None = None, wait: bool = True):
+                 num_threads: int = 1, system_metrics: Mapping[int, SystemMetrics] | None = None, wait: bool = True,
+                 processes: list[ray.actor.ActorHandle] | None = None):
         if world_size != spec.config.train.world_size:
             raise ValueError(f"a {trainer.role} group of world size {world_size} cannot run a rollout planned for "
                              f"[train] world_size = {spec.config.train.world_size}: make them equal")
         resolve_hooks(trainer.hooks, trainer.role)  # a bad hook path fails here, before any rank worker starts
         self.role, self.world_size, self.store = trainer.role, world_size, store
         system_metrics = system_metrics or {}
-        worker = ray.remote(RankWorker)
-        self.ranks = []
-        for rank in range(world_size):
-            strategy = (PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank)
-                        if placement is not None else "DEFAULT")
-            options = dict(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
-                           resources=dict(resources.custom), scheduling_strategy=strategy)
-            self.ranks.append(worker.options(**options).remote(trainer, spec, store, rank, world_size, num_threads,
-                                                                   resources.num_gpus, system_metrics.get(rank)))
+        self.processes = processes or start_rank_processes(world_size, resources, placement)
+        self._adding = [process.add.remote(self.role, trainer, spec, store, rank, world_size, num_threads,
+                                           resources.num_gpus, system_metrics.get(rank))
+                        for rank, process in enumerate(self.processes)]
         self.rendezvous: tuple[str, int] | None = None
         self._joining: list[ray.ObjectRef] = []
         if wait:
@@ -103,10 +144,12 @@ class TrainerGroup:
         """Start the rendezvous: rank 0 names an address, then every rank joins the process group and loads
         its models, in the background. `taken`: other groups' rendezvous, which this one must not reuse (two
         groups starting together could both be offered the same free port)."""
-        self.rendezvous = ray.get(self.ranks[0].master_address.remote())
+        ray.get(self._adding)  # a rank worker that could not be made fails here
+        self.rendezvous = ray.get(self.processes[0].master_address.remote(self.role))
         while self.rendezvous in taken:
-            self.rendezvous = ray.get(self.ranks[0].master_address.remote())
-        self._joining = [r.setup.remote(*self.rendezvous) for r in self.ranks]
+            ray.get(self._adding)  # a rank worker that could not be made fails here
+        self.rendezvous = ray.get(self.processes[0].master_address.remote(self.role))
+        self._joining = [p.setup.remote(self.role, *self.rendezvous) for p in self.processes]
         return self
 
     def wait_ready(self) -> "TrainerGroup":
@@ -123,8 +166,8 @@ class TrainerGroup:
             if len(values) != self.world_size:
                 raise ValueError(f"{self.role}.{method}: {name} has {len(values)} entries for "
                                  f"{self.world_size} ranks (one per rank)")
-        calls = [getattr(r, method).remote(*shared, **{name: values[i] for name, values in per_rank.items()})
-                 for i, r in enumerate(self.ranks)]
+        calls = [getattr(p, method).remote(self.role, *shared, **{name: values[i] for name, values in per_rank.items()})
+                 for i, p in enumerate(self.processes)]
         try:
             return ray.get(calls)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
@@ -225,15 +268,19 @@ class TrainerGroup:
         return self._each("node_id")
 
     def shutdown(self, graceful: bool = True) -> None:
-        """End the rank workers; `graceful`: after they leave the process group and flush their system
-        metrics (a group that lost a rank is killed at once: its collectives are broken)."""
+        """End the rank workers, and each rank's process once no group uses it; `graceful`: after they flush
+        their system metrics and the last leaves the process group (a group that lost a rank is killed at once,
+        with every group sharing its processes: its collectives are broken)."""
+        left = [0] * len(self.processes)
         try:
             if graceful:
-                ray.get([r.shutdown.remote() for r in self.ranks], timeout=60)
+                left = ray.get([p.remove.remote(self.role) for p in self.processes], timeout=60)
         except Exception as error:  # ending anyway: what matters is that no rank outlives the group
             logger.warning("%s group: a rank did not shut down cleanly (%s); killing the ranks", self.role,
                            type(error).__name__)
+            left = [0] * len(self.processes)
         finally:
-            for rank in self.ranks:
-                ray.kill(rank)
-            self.ranks = []
+            for process, others in zip(self.processes, left):
+                if not others:
+                    ray.kill(process)
+            self.processes = []

@@ -1,9 +1,10 @@
-"""One rank of a trainer group: a rank worker (run as a Ray actor) holding its share of a data-parallel model.
+"""One rank of a trainer group: a rank worker holding its share of a data-parallel model.
 
-`RankWorker` is plain Python; `infra.trainers.group.TrainerGroup` runs one per rank as a Ray actor and joins
-them with torch.distributed (gloo on CPU, nccl on CUDA). The model is a DDP replica or FSDP2 shards
-(`infra.trainers.parallel`). A stage moves its inputs onto the rank's device once and makes every
-tensor there (noise, latents, losses); only its output goes back to the host, into the store.
+`RankWorker` is plain Python; `infra.trainers.group.TrainerGroup` keeps one per rank in a Ray actor (a `RankProcess`,
+shared by rank i of every group placed together) and joins them with torch.distributed (gloo on CPU, nccl on
+CUDA). The model is a DDP replica or FSDP2 shards (`infra.trainers.parallel`). A stage moves its inputs onto the
+rank's device once and makes every tensor there (noise, latents, losses); only its output goes back to the host,
+into the store.
 
 Every public method takes and returns `ArtifactRef`s (or small dicts of numbers): payloads are
 read from and written to the artifact store here, on the rank, never by the driver.
@@ -84,7 +85,7 @@ class RankWorker:
         faulthandler.enable(all_threads=True)
         # Several ranks share the node's cores: one thread each unless configured otherwise.
         torch.set_num_threads(num_threads)
-        logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {trainer.role}[{rank}] %(name)s: %(message)s")
+        logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
         self.trainer, self.spec, self.store = trainer, spec, store
         self.rank, self.world_size = rank, world_size
         self.hooks = resolve_hooks(trainer.hooks, trainer.role)
@@ -113,13 +114,19 @@ class RankWorker:
         return ray.get_runtime_context().get_node_id()
 
     def setup(self, master_addr: str, master_port: int) -> None:
-        """Join the group's process group and load the models (the teacher parked on the host)."""
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+        """Join the group's process group and load the models (the teacher parked on the host). Rank i of a
+        group sharing this process (`infra.trainers.group.RankProcess`) has joined it already: the groups share
+        their world size, so one process group serves them all (their stages never overlap)."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(minutes=10))
+        if not dist.is_initialized():
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                    world_size=self.world_size, timeout=timedelta(minutes=10))
+        elif (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
+            raise RuntimeError(f"{self.trainer.role} rank {self.rank} of {self.world_size} cannot share a process with "
+                               f"rank {dist.get_rank()} of {dist.get_world_size()}")
         # Checkpoint metadata travels between ranks as Python objects: on a CPU group, whatever the backend.
         self._objects = dist.new_group(backend="gloo") if backend == "nccl" else None
         # The family holding its prepared inputs (e.g. the prompt table): every model call goes through it.
@@ -382,8 +389,9 @@ class RankWorker:
         with self._in_use():
             return state_digest(self.module, self.state.optimizer, self.state.ema and self.state.ema.state_dict())
 
-    def shutdown(self) -> None:
+    def shutdown(self, leave_process_group: bool = True) -> None:
+        """Flush the system metrics; leave the process group unless a group sharing the process still uses it."""
         if self._system_metrics is not None:
             stop(self._system_metrics)
-        if dist.is_initialized():
+        if leave_process_group and dist.is_initialized():
             dist.destroy_process_group()

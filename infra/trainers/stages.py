@@ -14,7 +14,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from dmd2.family import RunSpec
 from dmd2.hooks import summarize_critic
 from infra.trainers.cluster import RankResources, first_bundle_on_each_node, rank_placement_group, rank_resources
-from infra.trainers.group import TrainerGroup, TrainResult
+from infra.trainers.group import TrainerGroup, TrainResult, start_rank_processes
 from infra.store import ArtifactRef, ArtifactStore
 from infra.tracking.system import SystemMetrics
 from infra.trainers.configs import compute_trainer_configs
@@ -49,7 +49,8 @@ class Groups:
 def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources | None = None,
                  strategy: str | None = None, checkpoint_dir: str = "checkpoints", num_threads: int = 1,
                  system_metrics: SystemMetrics | None = None) -> Groups:
-    """The groups of the trainer config list: rank i of each on bundle i of one placement group.
+    """The groups of the trainer config list: rank i of each on bundle i of one placement group, in one process
+    (`RankProcess`) unless the groups' ranks each take GPUs of their own (`[cluster] colocate = false`).
 
     `resources` and `strategy` default to the recipe's `[cluster]` (`rank_resources`). With `system_metrics`
     each node's system metrics go to the run's MLflow run, logged by the first actor rank placed there: MLflow's
@@ -62,11 +63,14 @@ def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources |
     placement = rank_placement_group(world_size, resources, groups=len(trainers), strategy=strategy)
     monitors = ({rank: system_metrics.on(node) for rank, node in first_bundle_on_each_node(placement).items()}
                 if system_metrics is not None else {})
+    shared = spec.config.cluster.colocate or not resources.num_gpus
+    processes = start_rank_processes(world_size, resources.times(len(trainers)), placement) if shared else None
     made: dict[str, TrainerGroup] = {}
     try:  # every group's ranks start, load their models and join at once: start-up costs the slowest group
         for trainer in trainers:
             made[trainer.role] = TrainerGroup(trainer, spec, store, world_size, resources, placement, num_threads,
-                                              monitors if trainer.role == "actor" else {}, wait=False)
+                                              monitors if trainer.role == "actor" else {}, wait=False,
+                                              processes=processes)
         taken: list[tuple[str, int]] = []
         for group in made.values():
             taken.append(group.join(taken).rendezvous)

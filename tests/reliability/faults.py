@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-RANK_TITLE = "ray::RankWorker"
+RANK_TITLE = "ray::RankProcess"
 
 
 def rank_pids(method: str) -> list[int]:
-    """Pids of the rank workers running `method` now (Ray titles an actor's process `ray::<Class>.<method>`)."""
+    """Pids of the rank processes running `method` now (Ray titles an actor's process `ray::<Class>.<method>`)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
