@@ -161,7 +161,7 @@ class ClusterConfig:
                                                "a local Ray (no RAY_ADDRESS) with fewer CPUs than the run has ranks "
                                                "(world size x groups), an equal share of them: the ranks then share "
                                                "the machine's cores.")
-    colocate: bool = option(True, "Actor and critic rank i share bundle i's GPUs (fractional GPUs: the peak is the "
+    colocate: bool = option(True, "Actor and critic rank i share bundle i's GPUs in one process (the peak is the "
                                   "largest group, as each sleeps after use); false: each rank gets its own.")
     placement_strategy: str = option("PACK", "Ray placement of the ranks' bundles: PACK, SPREAD or STRICT_SPREAD.")
 

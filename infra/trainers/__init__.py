@@ -1,7 +1,8 @@
-"""Ray trainer groups: N rank workers (Ray actors) per role, joined by torch.distributed.
+"""Ray trainer groups: N rank workers per role, joined by torch.distributed.
 
 A run's groups come from one trainer-config list (`configs`): under DMD2 the critic and the actor
-(the student's group), colocated on one placement group (`cluster`). A rank worker (`rank`) keeps
+(the student's group), colocated on one placement group (`cluster`), rank i of each in one Ray actor
+(`group.RankProcess`). A rank worker (`rank`) keeps
 its models resident, runs the generic trainer with its group's hooks (`hooks`), sleeps off the
 accelerator between uses (`offload`) and checkpoints into the store (`checkpoint`). `stages` are
 the six steps of a rollout as calls on groups, refs in and refs out; payloads between ranks travel

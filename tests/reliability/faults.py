@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 RANK_TITLE = "ray::RankProcess"
 
 
-def rank_pids(method: str) -> list[int]:
-    """Pids of the rank processes running `method` now (Ray titles an actor's process `ray::<Class>.<method>`)."""
+def rank_pids(method: str = "") -> list[int]:
+    """Pids of the rank processes running `method` now (Ray titles an actor's process `ray::<Class>.<method>`,
+    and `ray::<Class>` while idle); without `method`, of every rank process."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -22,7 +23,7 @@ def rank_pids(method: str) -> list[int]:
                 title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
             except OSError:
                 continue
-            if title.startswith(f"{RANK_TITLE}.{method}"):
+            if title.startswith(f"{RANK_TITLE}.{method}" if method else RANK_TITLE):
                 pids.append(int(entry.name))
     return sorted(pids)
 

@@ -25,6 +25,7 @@ from infra.trainers.stages import (Groups, actor_train_stage, build_groups, conv
                                   load_groups, rollout_stage, run_rollout_on_groups, save_groups, score_stage)
 from infra.store import ArtifactRef
 from infra.trainers.configs import HookPaths, compute_trainer_configs
+from tests.reliability.faults import rank_pids
 from tests.infra.trainers.ray_fixtures import run_spec, max_abs_diff, new_store, tiny_config, tiny_teacher  # noqa: F401
 
 RUN = "run"
@@ -252,13 +253,20 @@ def test_the_sleep_ledger_shows_no_group_awake_after_each_rollout_checkpoint_and
 
 def test_a_bf16_run_completes_on_cpu_and_computes_in_bf16(world1, tiny_teacher, tmp_path):
     config = tiny_config(tiny_teacher, 1).replace("train", mixed_precision="bf16")
+    before = set(rank_pids())
     groups = build_groups(run_spec(config), new_store(tmp_path))
     try:
         metrics = run_rollout_on_groups(groups, RUN, 0)
         exported = groups.actor.export_weights(f"{RUN}/exports/bf16.safetensors")[0]
         student = groups.actor.store.get_tensors(exported)
+        started = set(rank_pids()) - before
     finally:
         groups.shutdown()
+    # The actor's and the critic's rank 0 ran in one process, which ends with the groups (Ray kills it meanwhile).
+    deadline = time.monotonic() + 30
+    while started & set(rank_pids()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(started) == 1 and not started & set(rank_pids())
     fp32 = world1["metrics"][0]
     assert all(math.isfinite(value) for value in metrics.values())
     assert metrics["loss"] != fp32["loss"]  # bf16 rounding shows: the compute did run in bf16
