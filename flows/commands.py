@@ -56,12 +56,11 @@ def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
 
     family = family_class(checked.family)()  # the family itself, for its columns
     run_id = checked.run_id
-    try:  # before Prefect and Ray start: a store that does not open, or a run id in use, should cost nothing
-        from flows.distill import distill
-
+    try:  # before Prefect and Ray are imported: a store that does not open, or a run id in use, costs seconds
         RunLease.check_free(ArtifactStore(checked.store_uri), run_id)
     except (ValueError, LeaseHeldError) as error:
         raise SystemExit(f"error: {error}") from None
+    from flows.distill import distill
     from infra.tracking import uri_to_pass_on
 
     tracking = uri_to_pass_on(args.tracking_uri, "--tracking-uri")  # a flow parameter: credentials go to the env

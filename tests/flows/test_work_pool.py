@@ -55,10 +55,17 @@ class PrefectServer:
             time.sleep(1)
 
     def cli(self, *args: str, timeout: float = 180) -> str:
-        done = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", *args], cwd=ROOT, env=self.env,
-                              capture_output=True, text=True, timeout=timeout)
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout
+        return self.wait(self.start_cli(*args), timeout)
+
+    def start_cli(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "prefect", "--no-prompt", *args], cwd=ROOT, env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    @staticmethod
+    def wait(command: subprocess.Popen, timeout: float = 180) -> str:
+        out, err = command.communicate(timeout=timeout)
+        assert command.returncode == 0, out + err
+        return out
 
     def api_call(self, call):
         async def run():
@@ -100,8 +107,8 @@ def test_two_triggers_of_a_pooled_deployment_run_one_after_the_other_and_registe
         params = {"recipe": str(recipe), "run_id": "pooled", "store_uri": (tmp_path / "store").as_uri(),
                   "tracking_uri": tracking, "output_dir": str(tmp_path / "outputs"), "cache_dir": str(tmp_path / "c")}
         args = [item for key, value in params.items() for item in ("--param", f"{key}={value}")]
-        for _ in range(2):  # both at once: the second must wait for the first, then continue it by one more
-            server.cli("deployment", "run", "distill/digits-4step", *args, "--param", "more_rollouts=1")
+        triggers = [server.start_cli("deployment", "run", "distill/digits-4step", *args, "--param", "more_rollouts=1")
+                    for _ in range(2)]  # both at once: the second must wait for the first, then continue it by one
         # The flow runs join a running Ray cluster, as a deployment does in production (RAY_ADDRESS, token
         # authentication); here the session's, which also spares each run a Ray start.
         cluster = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address, "RAY_AUTH_MODE": "token"}
@@ -110,6 +117,8 @@ def test_two_triggers_of_a_pooled_deployment_run_one_after_the_other_and_registe
         worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "dmd2"], cwd=ROOT,
                                   env=server.env | cluster | polling, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
+        for trigger in triggers:  # the worker starts meanwhile
+            server.wait(trigger)
         deadline = time.monotonic() + 900
         while True:
             runs = server.api_call(lambda c: c.read_flow_runs())
