@@ -2,11 +2,11 @@
 
 Rank i of every group placed together shares one process: torch, diffusers and the model code are imported
 once per rank rather than once per group (~8 s of CPU each), a GPU holds one CUDA context, and the groups share
-one process group (their stages never overlap). Every method runs on all ranks and returns one small value per rank (an `ArtifactRef`, a
-`TrainResult`, a dict of numbers): payloads stay in the artifact store, written and read by the ranks.
-Per-rank inputs are lists indexed by rank; rank i of a later group receives rank i's output of every
-earlier group (`external_data`), which works because both groups share the world size and the
-rollout's shard layout.
+one process group (their stages never overlap). Every method runs on all ranks and returns one small value per
+rank (an `ArtifactRef`, a `TrainResult`, a dict of numbers): payloads stay in the artifact store, written and
+read by the ranks. Per-rank inputs are lists indexed by rank; rank i of a later group receives rank i's output of
+every earlier group (`external_data`), which works because both groups share the world size and the rollout's
+shard layout.
 """
 
 import logging
@@ -147,8 +147,7 @@ class TrainerGroup:
         ray.get(self._adding)  # a rank worker that could not be made fails here
         self.rendezvous = ray.get(self.processes[0].master_address.remote(self.role))
         while self.rendezvous in taken:
-            ray.get(self._adding)  # a rank worker that could not be made fails here
-        self.rendezvous = ray.get(self.processes[0].master_address.remote(self.role))
+            self.rendezvous = ray.get(self.processes[0].master_address.remote(self.role))
         self._joining = [p.setup.remote(self.role, *self.rendezvous) for p in self.processes]
         return self
 
@@ -166,8 +165,10 @@ class TrainerGroup:
             if len(values) != self.world_size:
                 raise ValueError(f"{self.role}.{method}: {name} has {len(values)} entries for "
                                  f"{self.world_size} ranks (one per rank)")
-        calls = [getattr(p, method).remote(self.role, *shared, **{name: values[i] for name, values in per_rank.items()})
-                 for i, p in enumerate(self.processes)]
+        calls = []
+        for i, process in enumerate(self.processes):
+            own = {name: values[i] for name, values in per_rank.items()}
+            calls.append(getattr(process, method).remote(self.role, *shared, **own))
         try:
             return ray.get(calls)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
