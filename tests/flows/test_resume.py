@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import ray
 import torch
 from mlflow import MlflowClient
 from prefect.settings import PREFECT_API_URL
@@ -20,7 +21,8 @@ ROLLOUTS = TINY_ROLLOUTS  # the shared uninterrupted run's recipe
 
 
 def _kill_after_checkpoint(command, env, log, store: ArtifactStore, run_id: str, step: int, timeout: float = 300):
-    """Start the CLI, wait for checkpoint `step`, SIGKILL it (and its local Ray) mid-run."""
+    """Start the CLI, wait for checkpoint `step`, SIGKILL it mid-run (its rank processes die with it: Ray ends
+    the actors of a driver that is gone)."""
     # output goes to a file: a pipe nobody reads would fill up and stall the run
     process = subprocess.Popen(command, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
@@ -50,7 +52,10 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(prefect_server, s3_sto
     command = [sys.executable, "-m", "flows.cli", "distill", "--recipe", str(recipe), "--run-id", "killed",
                "--store", s3_store, "--tracking-uri", uri, "--cache-dir", str(shared_cache),
                "--output-dir", str(tmp_path / "out")]
-    env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value()}
+    # The session's Prefect server and Ray (as a deployment joins a running cluster): the killed driver's own Ray
+    # would cost a start and its daemons' CPU, and a driver dying under a cluster that outlives it is the harder case.
+    env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), "RAY_AUTH_MODE": "token",
+                        "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     with open(tmp_path / "killed.log", "w") as log:
         killed_at = _kill_after_checkpoint(command, env, log, store, "killed", step=1)
     assert killed_at < ROLLOUTS and not (tmp_path / "out" / "killed" / "student").exists()
