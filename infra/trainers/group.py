@@ -68,6 +68,22 @@ def _broken_collective(error: BaseException) -> bool:
                                                  and any(sign in str(error) for sign in BROKEN_COLLECTIVE))
 
 
+def _forwarded(name: str):
+    def method(self: "RankProcess", role: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.workers[role], name)(*args, **kwargs)
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def _with_rank_worker_methods(cls: type) -> type:
+    """``cls`` with every public `RankWorker` method but `shutdown` forwarded to the worker of the role given first."""
+    for name, attribute in vars(RankWorker).items():
+        if callable(attribute) and not name.startswith("_") and name != "shutdown":
+            setattr(cls, name, _forwarded(name))
+    return cls
+
+
+@_with_rank_worker_methods
 class RankProcess:
     """The Ray actor of rank i: the `RankWorker` of each group that shares it, by role. Each method of
     `RankWorker` is here too, taking the role first, so that Ray titles the process `ray::RankProcess.<method>`
@@ -86,28 +102,15 @@ class RankProcess:
         return len(self.workers)
 
 
-def _forwarded(name: str):
-    def method(self: RankProcess, role: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.workers[role], name)(*args, **kwargs)
-    method.__name__ = method.__qualname__ = name
-    return method
-
-
-for _name, _attribute in vars(RankWorker).items():
-    if callable(_attribute) and not _name.startswith("_") and _name != "shutdown":
-        setattr(RankProcess, _name, _forwarded(_name))
-
-
 def start_rank_processes(world_size: int, resources: RankResources,
                          placement: PlacementGroup | None = None) -> list[ray.actor.ActorHandle]:
     """One `RankProcess` per rank, asking ``resources``: rank i on bundle i of ``placement`` (when given)."""
-    processes = []
+    actor_class, processes = ray.remote(RankProcess), []
     for rank in range(world_size):
         strategy = (PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank)
                     if placement is not None else "DEFAULT")
-        processes.append(ray.remote(RankProcess).options(
-            num_cpus=resources.num_cpus, num_gpus=resources.num_gpus, resources=dict(resources.custom),
-            scheduling_strategy=strategy).remote())
+        processes.append(actor_class.options(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
+                                             resources=dict(resources.custom), scheduling_strategy=strategy).remote())
     return processes
 
 

@@ -256,9 +256,10 @@ class RankWorker:
         sleep = "never"` only the gradients go: nothing is copied."""
         if self._sleeping.parked:
             return {"offloaded_bytes": 0}
-        parked = sleeping_tensors(self.module, self.state)  # drops the gradients
         if not self.sleeps:
+            self.state.optimizer.zero_grad(set_to_none=True)  # the next step recomputes them: nothing to keep
             return {"offloaded_bytes": 0}
+        parked = sleeping_tensors(self.module, self.state)  # drops the gradients
         self.state.model = self.state.velocity = None  # DDP's wrapper goes, and its gradient buckets with it
         return {"offloaded_bytes": self._sleeping.offload(parked)}
 
