@@ -37,6 +37,11 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                         help="memory of one GPU, e.g. 80GiB (H100/A100 80 GB), 141GiB (H200), 24GiB")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per machine, for the host memory a node's sleeping "
                                                           "groups take (default: --gpus, at most 8)")
+    parser.add_argument("--gpu-tflops", type=float, default=989.0, metavar="TFLOPS",
+                        help="a GPU's peak dense TFLOP/s in the recipe's compute precision, for the time per rollout "
+                             "(default 989: an H100 SXM in bf16; an A100 312, an H200 989)")
+    parser.add_argument("--mfu", type=float, default=0.4, metavar="FRACTION",
+                        help="the share of --gpu-tflops the run is assumed to reach (default 0.4)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the plan here as JSON")
 
 
@@ -59,6 +64,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     gpus_per_node = min(train.world_size, 8) if args.gpus_per_node is None else args.gpus_per_node
     if gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    if not 0 < args.mfu <= 1 or not args.gpu_tflops > 0:
+        raise ConfigError(f"--mfu must be in (0, 1] and --gpu-tflops > 0, got {args.mfu:g} and {args.gpu_tflops:g}")
     if args.json is not None and not args.json.parent.is_dir():  # refused now, not after a minute of planning
         raise ConfigError(f"--json {args.json}: its folder {args.json.parent} does not exist")
     from dmd2.family import family_for  # the bad input above is refused before torch loads
@@ -77,6 +84,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"GiB ({RESERVE:.0%} of each GPU is kept for the CUDA context, NCCL and fragmentation)")
     print(f"host memory per node for sleeping groups: {plan.host_parked * gpus_per_node / GiB:.0f} GiB "
           f"({gpus_per_node} GPU(s) x {plan.host_parked / GiB:.1f} GiB)")
+    seconds = rollout_seconds(plan, args.gpu_tflops, args.mfu)
+    print(f"compute: {tflop(plan.flops_per_rollout)} TFLOP per GPU per rollout; at {args.mfu:.0%} MFU of "
+          f"{args.gpu_tflops:g} TFLOP/s per GPU (--mfu, --gpu-tflops) a rollout computes for {duration(seconds)}, "
+          f"the recipe's {train.rollouts} rollouts for {duration(train.rollouts * seconds)} (training alone: "
+          "evaluation, checkpoints and sleep copies come on top)")
     together = plan.resident <= usable
     print(f"with nothing asleep (both groups and the teacher resident): {plan.resident / GiB:.1f} GiB per GPU: "
           + ('[train] sleep = "auto" keeps every group resident (no copies)' if together
@@ -92,6 +104,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 1
 
 
+def rollout_seconds(plan, gpu_tflops: float, mfu: float) -> float:
+    """A rollout's compute time: every GPU computes its share at once, so one GPU's FLOPs at ``mfu`` of its peak."""
+    return plan.flops_per_rollout / (gpu_tflops * 1e12 * mfu)
+
+
+def tflop(flops: int) -> str:
+    return f"{flops / 1e12:,.0f}" if flops >= 1e14 else f"{flops / 1e12:.3g}"
+
+
+def duration(seconds: float) -> str:
+    for unit, size in (("h", 3600), ("min", 60), ("s", 1), ("ms", 1e-3)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds * 1e6:.3g} us"
+
+
 def layout(config: DistillConfig) -> str:
     train = config.train
     return ", ".join(["FSDP2" if train.parallel == "fsdp" else "DDP",
@@ -100,10 +128,12 @@ def layout(config: DistillConfig) -> str:
 
 
 def table(plan) -> str:
-    header = f"{'stage':13} {'peak':>7}" + "".join(f" {title:>7}" for _, title in COLUMNS)
+    header = f"{'stage':13} {'peak':>7}" + "".join(f" {title:>7}" for _, title in COLUMNS) + f" {'TFLOP':>8}"
     rows = [f"{stage.stage:13} {stage.peak / GiB:7.2f}"
-            + "".join(f" {stage.by_category.get(key, 0) / GiB:7.2f}" for key, _ in COLUMNS) for stage in plan.stages]
-    return "\n".join(["GiB per GPU (one rank of each group), by what holds it:", header, *rows])
+            + "".join(f" {stage.by_category.get(key, 0) / GiB:7.2f}" for key, _ in COLUMNS)
+            + f" {tflop(plan.flops[stage.stage]):>8}" for stage in plan.stages]
+    return "\n".join(["GiB per GPU (one rank of each group), by what holds it, and the stage's compute per GPU:",
+                      header, *rows])
 
 
 def remedies(config: DistillConfig, peak) -> str:
@@ -132,6 +162,9 @@ def as_json(plan, config: DistillConfig, args: argparse.Namespace, fits: bool, g
             "stages": {stage.stage: {"peak": stage.peak, **stage.by_category} for stage in plan.stages},
             "host_parked_per_gpu": plan.host_parked, "resident_peak": plan.resident,
             "host_per_node": plan.host_parked * gpus_per_node,
+            "flops_per_gpu": plan.flops, "flops_per_rollout_per_gpu": plan.flops_per_rollout,
+            "mfu": args.mfu, "gpu_tflops": args.gpu_tflops,
+            "seconds_per_rollout": rollout_seconds(plan, args.gpu_tflops, args.mfu),
             "gpus_per_node": gpus_per_node, "teacher_parameters": plan.parameters}
 
 
@@ -140,7 +173,7 @@ def as_json(plan, config: DistillConfig, args: argparse.Namespace, fits: bool, g
 # the models; not the schedule (rollouts, intervals, seed), the learning rates, evaluation or the registry.
 PLANNED_SECTIONS = ("model", "student", "dmd2", "data", "train")
 UNPLANNED_TRAIN = ("rollouts", "seed", "save_interval", "eval_interval", "keep_rollouts", "max_failures", "sleep")
-PLAN_FORMAT = 2  # of the cached plans: a plan of another format is made again
+PLAN_FORMAT = 3  # of the cached plans: a plan of another format is made again
 
 
 def cached_plan(config: DistillConfig, family, cache_dir: Path):

@@ -8,7 +8,10 @@ from their configs on the meta device (no weight is read) and given fake storage
 held as `[train]` says (`infra.trainers.models`: LoRA adapters, the GAN head, recomputed activations, FSDP2 over
 a fake process group of the world size), and the stages run the product's code (backward simulation, the
 pairs, each group's `train_steps` with its hooks, the teacher's scoring) while `dmd2.memory.MemoryLedger`
-counts every live storage by category. Nothing is computed, so a plan of SD3.5 at 1024 px runs on a CPU.
+counts every live storage by category, and `FlopCount` each stage's floating-point operations (torch's own
+formulas over the operators' shapes). Nothing is computed, so a plan of SD3.5 at 1024 px runs on a CPU. Of the
+critic's steps only the first and the last are rehearsed (`rehearsed_steps`: the middle ones repeat the first's
+memory); its FLOPs are scaled to every step.
 
 The optimizer state is made before the rollout (AdamW makes its moments at its first step): the plan is of a
 rollout in the middle of a run. DDP is planned as one unwrapped replica per rank. Not in the figures: DDP's
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop, shape_wrapper
 
 from dmd2.convert import samples_to_train_pairs
 from dmd2.family import RunSpec
@@ -57,6 +62,13 @@ class MemoryPlan:
     host_parked: int
     parameters: int  # the teacher's
     resident: int = 0  # the largest stage with nothing asleep: both groups and the teacher on the GPU (sleep = never)
+    flops: dict[str, int] = dataclasses.field(default_factory=dict)  # per stage, one GPU, one whole rollout
+
+    @property
+    def flops_per_rollout(self) -> int:
+        """The floating-point operations one GPU computes in a rollout (torch's `FlopCounterMode`: matrix
+        products, convolutions and attention, forward, backward and recomputation alike)."""
+        return sum(self.flops.values())
 
     @property
     def peak(self) -> StagePeak:
@@ -78,7 +90,7 @@ class MemoryPlan:
     @classmethod
     def from_dict(cls, data: dict) -> MemoryPlan:
         return cls(data["world_size"], tuple(StagePeak(**stage) for stage in data["stages"]), data["host_parked"],
-                   data["parameters"], data["resident"])
+                   data["parameters"], data["resident"], data["flops"])
 
 
 @dataclass
@@ -140,11 +152,16 @@ class LedgerParking(Parking):
         self.ledger.unpark(self._parked.pop(name))
 
 
-def _first_and_last(hooks: Hooks, steps: int) -> tuple[Hooks, int]:
+def rehearsed_steps(steps: int) -> list[int]:
     """Of a group's ``steps`` optimizer steps, the first and the last (which keeps what scoring needs): with the
-    optimizer state made, every middle step repeats the first's memory, and rehearsing them would only cost time.
-    Returns the hooks that run them and how many steps they are, for `train_steps`."""
-    chosen = [0, steps - 1] if steps > 1 else [0]
+    optimizer state made, every middle step repeats the first's memory (and FLOPs), and rehearsing them would
+    only cost time."""
+    return [0, steps - 1] if steps > 1 else [0]
+
+
+def _first_and_last(hooks: Hooks, steps: int) -> tuple[Hooks, int]:
+    """The hooks that run `rehearsed_steps` of ``steps``, and how many steps they are, for `train_steps`."""
+    chosen = rehearsed_steps(steps)
     return dataclasses.replace(
         hooks, loss=lambda ctx, velocity, batch, step: hooks.loss(ctx, velocity, batch, chosen[step]),
         prepare=lambda ctx, pairs, step: hooks.prepare(ctx, pairs, chosen[step])), len(chosen)
@@ -209,26 +226,58 @@ def plan_memory(spec: RunSpec) -> MemoryPlan:
                     ledger.label(state.ema.local_tensors() if state.ema is not None else [], "weights")  # the EMA
                 ledger.label(gpu.teacher, "teacher")
                 ledger.label(family.conditioning_tensors(), "conditioning")
-                host = _HostHighWater(ledger)
-                rehearse(gpu, host.stage, LedgerParking(ledger))
+                stages = _Stages(ledger)
+                rehearse(gpu, stages.stage, LedgerParking(ledger))
+    critic_steps = config.dmd2.critic_steps_per_rollout
+    stages.flops["critic-train"] = stages.flops["critic-train"] * critic_steps // len(rehearsed_steps(critic_steps))
     parameters = sum(p.numel() for p in gpu.teacher.parameters())
-    return MemoryPlan(config.train.world_size, tuple(ledger.peaks), host.most, parameters, host.resident)
+    return MemoryPlan(config.train.world_size, tuple(ledger.peaks), stages.most_parked, parameters, stages.resident,
+                      stages.flops)
 
 
-class _HostHighWater:
-    """The most bytes parked in host memory at any stage (groups sleep and wake between stages, so what is parked
-    is constant through one), and the largest stage with them resident too."""
+class _Stages:
+    """What the ledger does not keep of each stage: the most bytes parked in host memory at any stage (groups
+    sleep and wake between stages, so what is parked is constant through one), the largest stage with them
+    resident too, and the FLOPs each stage computes (counted on the fake tensors: only their shapes matter)."""
 
     def __init__(self, ledger: MemoryLedger):
-        self.ledger, self.most, self.resident = ledger, 0, 0
+        self.ledger, self.most_parked, self.resident, self.flops = ledger, 0, 0, {}
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        parked = self.ledger.parked
-        with self.ledger.stage(name):
+        parked, counter = self.ledger.parked, FlopCount()
+        with self.ledger.stage(name), counter:
             yield
-        self.most = max(self.most, parked)
+        self.most_parked = max(self.most_parked, parked)
         self.resident = max(self.resident, self.ledger.peaks[-1].peak + parked)
+        self.flops[name] = counter.total
+
+
+# The plan runs on CPU, where attention is a kernel torch's formulas do not name: count it as the GPU's flash
+# attention, whose arguments it shares (query, key, value first; the backward's gradient before them). The
+# formulas over shapes, as `FlopCounterMode(custom_mapping=...)` takes them.
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop.__wrapped__,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop.__wrapped__,
+}
+FLOP_FORMULAS = {**flop_registry, **{op: shape_wrapper(formula) for op, formula in CPU_ATTENTION_FLOPS.items()}}
+
+
+class FlopCount(TorchDispatchMode):
+    """The FLOPs of every operator run while it is entered, by torch's own formulas (`FLOP_FORMULAS`: those of
+    `FlopCounterMode`, whose per-module tracking is left out: its backward hooks keep recomputed activations
+    alive, and the ledger would count them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (formula := FLOP_FORMULAS.get(func._overloadpacket)) is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
 
 
 @contextmanager

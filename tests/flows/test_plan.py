@@ -16,7 +16,7 @@ GiB = 2**30
 
 def test_the_default_recipe_fits_and_the_json_holds_every_stage(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main(["plan", "--gpu-memory", "1GiB", "--json", str(out)]) == 0
+    assert main(["plan", "--gpu-memory", "1GiB", "--json", str(out), "--gpu-tflops", "100", "--mfu", "0.5"]) == 0
     printed = capsys.readouterr().out
     plan = json.loads(out.read_text())
     assert list(plan["stages"]) == list(STAGES) and plan["fits"] is True
@@ -26,6 +26,10 @@ def test_the_default_recipe_fits_and_the_json_holds_every_stage(tmp_path, capsys
         assert sum(value for key, value in stage.items() if key != "peak") == stage["peak"], name
         assert name in printed
     assert "fits: 1 GPU(s) of 1 GiB" in printed
+    # the compute: every stage's FLOPs (test_memory_plan.py checks them), at half of 100 TFLOP/s
+    assert plan["flops_per_rollout_per_gpu"] == sum(plan["flops_per_gpu"].values()) > 0
+    assert plan["seconds_per_rollout"] == pytest.approx(plan["flops_per_rollout_per_gpu"] / 50e12)
+    assert "at 50% MFU of 100 TFLOP/s per GPU" in printed
 
 
 def test_a_gpu_too_small_exits_1_naming_the_stage_the_figure_and_the_fix(tmp_path, capsys):
@@ -52,6 +56,8 @@ def exit_status(args: list[str]) -> int:
     (["--gpu-memory", "8GiB", "--recipe", "no-such.toml"], "--recipe no-such.toml does not exist"),
     (["--gpu-memory", "8GiB", "--set", "train.nope=1"], "nope"),
     (["--gpu-memory", "8GiB", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1"),
+    (["--gpu-memory", "8GiB", "--mfu", "1.5"], "--mfu must be in (0, 1]"),
+    (["--gpu-memory", "8GiB", "--gpu-tflops", "0"], "--gpu-tflops > 0"),
     (["--gpu-memory", "8GiB", "--json", "no/such/folder/plan.json"], "--json no/such/folder/plan.json: its folder"),
 ])
 def test_bad_input_is_refused_naming_the_option(args, message, capsys):

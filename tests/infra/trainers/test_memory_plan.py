@@ -1,7 +1,8 @@
 """`dmd2 plan`'s figures against a real run: the same rollout rehearsed on real tensors, measured by the CPU
 allocator's own running total of allocated bytes (torch's profiler reports it with every allocation), a
 different instrument from the plan's ledger; what sleeps is parked for real (`HostCopy`, the ranks' sleep) and
-its host copies are taken off the total, as they would not be on a GPU."""
+its host copies are taken off the total, as they would not be on a GPU. The plan's FLOPs, counted on fake tensors,
+against the same counter over the real tensors' rehearsal."""
 
 import itertools
 import socket
@@ -13,11 +14,13 @@ import torch
 import torch.distributed as dist
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
 
 from dmd2.config import config_from_dict
 from dmd2.families.digits.model import build_digits_unet
 from dmd2.family import family_for
-from infra.trainers.memory_plan import STAGES, Parking, gpu_models, plan_memory, rehearse
+from infra.trainers.memory_plan import (CPU_ATTENTION_FLOPS, STAGES, FlopCount, Parking, gpu_models, plan_memory,
+                                       rehearse)
 from infra.trainers.offload import HostCopy, own_storage
 
 TOLERANCE = 0.10
@@ -33,12 +36,12 @@ def teacher(tmp_path_factory) -> str:
     return str(path)
 
 
-def config(teacher: str, parallel: str):
+def config(teacher: str, parallel: str, critic_steps: int = 2, batch: int = 64):
     return config_from_dict({
         "model": {"teacher": teacher}, "student": {"num_steps": 2},
         "optim": {"lr": 1e-4, "critic_lr": 2e-4},
-        "dmd2": {"critic_steps_per_rollout": 2, "teacher_guidance_scale": 2.0},
-        "train": {"rollout_batch_size": 64, "world_size": 1, "rollouts": 2, "parallel": parallel},
+        "dmd2": {"critic_steps_per_rollout": critic_steps, "teacher_guidance_scale": 2.0},
+        "train": {"rollout_batch_size": batch, "world_size": 1, "rollouts": 2, "parallel": parallel},
     })
 
 
@@ -83,18 +86,20 @@ def allocations(prof) -> list[tuple[int, int]]:
     return list(zip((at for at, _ in found), itertools.accumulate(size for _, size in found)))
 
 
-def measured(spec) -> dict[str, int]:
+def measured(spec) -> tuple[dict[str, int], dict[str, int]]:
     """Each stage's peak bytes on real tensors: the allocator's total at its highest in the stage, less the host
-    copies of what sleeps (constant through a stage: groups sleep and wake between stages)."""
-    family = spec.family.bind({}, "cpu")
+    copies of what sleeps (constant through a stage: groups sleep and wake between stages); and its FLOPs."""
+    family = spec.family.plan_bind(spec.config, "cpu")
     spec = type(spec)(spec.config, family, spec.sample_shape, spec.conds, spec.cache_dir)
-    parking, windows = HostCopies(), {}
+    parking, windows, flops = HostCopies(), {}, {}
 
     @contextmanager
     def stage(name):
-        start = time.time_ns()
-        yield
+        start, counter = time.time_ns(), FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+        with counter:
+            yield
         windows[name] = (start, time.time_ns(), sum(parking.host_bytes.values()))
+        flops[name] = counter.get_total_flops()
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:  # before any model is made
         gpu = gpu_models(spec, lambda path, dtype: own_storage(family.load_model(path, dtype)))
@@ -104,7 +109,7 @@ def measured(spec) -> dict[str, int]:
     for name, (start, end, host) in windows.items():
         before = ([0] + [total for at, total in totals if at <= start])[-1]
         peaks[name] = max([before, *(total for at, total in totals if start < at <= end)]) - host
-    return peaks
+    return peaks, flops
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -112,7 +117,29 @@ def test_each_stages_planned_peak_is_within_10_percent_of_the_measured_one(teach
     spec = family_for(config(teacher, parallel).model).plan_spec(config(teacher, parallel))
     plan = plan_memory(spec)
     with gloo_world_of_one() if parallel == "fsdp" else nullcontext():
-        real = measured(spec)
+        real, real_flops = measured(spec)
     assert [stage.stage for stage in plan.stages] == list(STAGES) and set(real) == set(STAGES)
     for stage in plan.stages:
         assert abs(stage.peak - real[stage.stage]) <= TOLERANCE * real[stage.stage], (stage, real)
+    assert plan.flops == real_flops and real_flops["critic-train"] > real_flops["actor-train"] > 0
+
+
+def test_the_planned_flops_count_every_critic_step_though_only_two_are_rehearsed(teacher):
+    """Every critic step trains on 4 samples (the rollout's 4 per step): 6 steps compute three times what 2 do."""
+    configs = [config(teacher, "ddp", steps, 4 * steps) for steps in (2, 6)]
+    two, six = (plan_memory(family_for(each.model).plan_spec(each)) for each in configs)
+    assert six.flops["critic-train"] == 3 * two.flops["critic-train"] > 0
+
+
+def test_attention_on_the_cpu_counts_as_its_matrix_products():
+    """Scores and output are two products of 2 L S E multiply-adds per head (4 B H L S E FLOPs); the backward
+    recomputes the scores and takes four more products (10 B H L S E), as flash attention does on a GPU."""
+    b, h, queries, keys, width = 2, 3, 40, 50, 16
+    query = torch.randn(b, h, queries, width, requires_grad=True)
+    key, value = (torch.randn(b, h, keys, width, requires_grad=True) for _ in range(2))
+    with FlopCount() as forward:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value)
+    with FlopCount() as backward:
+        out.sum().backward()
+    products = b * h * queries * keys * width
+    assert (forward.total, backward.total) == (4 * products, 10 * products)
