@@ -5,6 +5,7 @@ verdict; a recipe that does not fit exits 1 naming the stage, the figure and wha
 import argparse
 import json
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -64,8 +65,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     gpus_per_node = min(train.world_size, 8) if args.gpus_per_node is None else args.gpus_per_node
     if gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
-    if not 0 < args.mfu <= 1 or not args.gpu_tflops > 0:
-        raise ConfigError(f"--mfu must be in (0, 1] and --gpu-tflops > 0, got {args.mfu:g} and {args.gpu_tflops:g}")
+    if not 0 < args.mfu <= 1 or not 0 < args.gpu_tflops < math.inf:
+        raise ConfigError(f"--mfu must be in (0, 1] and --gpu-tflops a number > 0, got {args.mfu:g} and {args.gpu_tflops:g}")
     if args.json is not None and not args.json.parent.is_dir():  # refused now, not after a minute of planning
         raise ConfigError(f"--json {args.json}: its folder {args.json.parent} does not exist")
     from dmd2.family import family_for  # the bad input above is refused before torch loads
