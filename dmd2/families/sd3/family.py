@@ -119,15 +119,16 @@ class SD3Family(ModelFamily):
         return RunSpec(config, self, shape, PromptIndices(1), "")
 
     def plan_bind(self, config: DistillConfig, device: torch.device | str) -> "SD3Family":
-        """A table of one zero prompt of the encoders' shapes: CLIP's 77 tokens and T5's 256, the MMDiT's widths."""
+        """A table of one zero prompt of the encoders' shapes (CLIP's 77 tokens and T5's 256, the MMDiT's widths),
+        in host memory as `bind` keeps it: what the device holds of it is each call's rows."""
         transformer = self._transformer_config(config.model.teacher)
         width, pooled = transformer["joint_attention_dim"], transformer["pooled_projection_dim"]
-        tables = [torch.zeros(1, TEXT_TOKENS, width, device=device), torch.zeros(1, pooled, device=device)]
+        tables = [torch.zeros(1, TEXT_TOKENS, width, device="cpu"), torch.zeros(1, pooled, device="cpu")]
         return dataclasses.replace(self, table=PromptTable(*tables, *(t.clone() for t in tables)))
 
     def conditioning_tensors(self) -> list[Tensor]:
-        tables = list(self.table.tensors().values()) if self.table is not None else []
-        return tables + ([self.real.x0, *self.real.cond.values()] if self.real is not None else [])
+        """The real samples (`[data] images`); the prompt table is in host memory."""
+        return [self.real.x0, *self.real.cond.values()] if self.real is not None else []
 
     @staticmethod
     def _transformer_config(teacher: str) -> dict[str, Any]:
@@ -169,10 +170,13 @@ class SD3Family(ModelFamily):
         return prepared
 
     def bind(self, prepared: dict[str, dict[str, Tensor]], device: torch.device | str = "cpu") -> "SD3Family":
+        """The real samples on ``device``; the prompt table in host memory whatever the device (every prompt's
+        embeddings, ~5.4 MB each in fp32 at SD3's widths): a model call moves only its batch's rows to the device
+        (`TableVelocity`), so a GPU holds O(batch) of conditioning for any number of prompts."""
         real = prepared.get("real")
         if real is not None:
             real = RealSamples(real["latents"].to(device), prompt_indices(real["prompt_index"].to(device)))
-        return dataclasses.replace(self, table=PromptTable.from_tensors(prepared["prompts"]).to(device), real=real)
+        return dataclasses.replace(self, table=PromptTable.from_tensors(prepared["prompts"]).to("cpu"), real=real)
 
     def real_source(self, spec: RunSpec) -> RealSamples | None:
         """The bound images' latents, each with its caption's prompt index (`[data] images`)."""

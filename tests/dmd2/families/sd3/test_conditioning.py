@@ -112,3 +112,26 @@ def test_table_cond_feeds_the_sd3_transformer(sd3_pipe):
                                           pooled_projections=rows[i]["pooled_projections"]).sample
                               for i in range(3)])
     torch.testing.assert_close(v, explicit, atol=1e-5, rtol=0)
+
+
+def test_a_device_holds_only_its_batchs_rows_of_a_table_of_10000_prompts(sd3_dir):
+    """The meta device stands in for a GPU: the family bound to it keeps the 10,000 prompts' embeddings in host
+    memory, and the transformer on it is handed only the rows of the call's 4 samples."""
+    from dmd2.families.sd3.family import SD3Family
+
+    family = SD3Family()
+    transformer = family.model_on_meta(str(sd3_dir))
+    width, pooled = transformer.config.joint_attention_dim, transformer.config.pooled_projection_dim
+    table = PromptTable(torch.zeros(10_000, L, width), torch.zeros(10_000, pooled), torch.zeros(1, L, width),
+                        torch.zeros(1, pooled))
+    family = family.bind({"prompts": table.tensors()}, "meta")
+    assert family.conditioning_tensors() == []
+    assert {tensor.device.type for tensor in family.table.tensors().values()} == {"cpu"}
+    handed = {}
+    transformer.register_forward_pre_hook(lambda module, args, kwargs: handed.update(kwargs), with_kwargs=True)
+    x_s = torch.empty(4, transformer.config.in_channels, 8, 8, device="meta")
+    v = family.velocity(transformer)(x_s, torch.full((4,), 0.5, device="meta"),
+                                     prompt_indices(torch.tensor([0, 9_999, 5_000, NEGATIVE])))
+    assert v.shape == x_s.shape
+    assert handed["encoder_hidden_states"].shape == (4, L, width) and handed["pooled_projections"].shape == (4, pooled)
+    assert {handed[key].device.type for key in ("encoder_hidden_states", "pooled_projections")} == {"meta"}
