@@ -75,28 +75,36 @@ class HostCopy:
         return bool(self._parked)
 
     def offload(self, tensors: Iterable[Tensor]) -> int:
-        """Copy each distinct storage to host and free it on its device; returns the bytes moved."""
+        """Copy each distinct storage to host and free it on its device; returns the bytes moved.
+
+        The copies to pinned memory are issued together and waited for once, before any device memory is freed.
+        Pinned buffers come from torch's caching host allocator, so a group's next sleep reuses the last one's.
+        The device's cache is not emptied: rank i of every group shares one process (infra/trainers/group.py),
+        so the other group allocates from the blocks freed here (and torch frees cached blocks and retries
+        before it reports out of memory)."""
         if self._parked:
             raise RuntimeError("already offloaded: restore() before offloading again")
         seen: set[int] = set()
+        copies = []
         for tensor in tensors:
             storage = tensor.untyped_storage()
             if storage.nbytes() == 0 or storage.data_ptr() in seen:
                 continue  # shared storages (tied weights, views) are parked once
-            if not storage.resizable():
-                self.restore()
+            if not storage.resizable():  # nothing is freed yet: the copies so far are simply dropped
                 raise RuntimeError(f"a {tuple(tensor.shape)} {tensor.dtype} tensor has a fixed-size storage (a file "
                                    "mapping, or exported with .numpy()) and cannot be offloaded: load weights with "
                                    "own_storage() and export copies only")
             seen.add(storage.data_ptr())
             source = _bytes_of(storage)
             pinned = source.is_cuda and torch.cuda.is_available()
-            host = torch.empty(source.shape, dtype=torch.uint8, pin_memory=pinned).copy_(source)
+            copies.append((storage, torch.empty(source.shape, dtype=torch.uint8, pin_memory=pinned)
+                           .copy_(source, non_blocking=pinned)))
+        if any(storage.device.type == "cuda" for storage, _ in copies):
+            torch.cuda.synchronize()  # every copy has landed before its device memory is freed
+        for storage, _ in copies:
             storage.resize_(0)
-            self._parked.append((storage, host))
-        if any(storage.device.type == "cuda" for storage, _ in self._parked):
-            torch.cuda.empty_cache()  # hand the freed blocks back, so other groups can use them
-        return sum(host.numel() for _, host in self._parked)
+        self._parked = copies
+        return sum(host.numel() for _, host in copies)
 
     def restore(self) -> None:
         """Regrow every parked storage on its device and copy its bytes back."""

@@ -1,5 +1,6 @@
 """Sleep/wake storage parking (infra/trainers/offload.py), on CPU without Ray."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,6 +35,16 @@ def test_shared_storage_is_parked_once():
     assert parked.offload([weight, view]) == 5 * 4
     parked.restore()
     assert torch.equal(view, weight.detach()[1:3])
+
+
+def test_a_tensor_that_cannot_be_parked_is_refused_with_every_other_left_in_place():
+    """A storage over a numpy array cannot shrink: offload names the fix, and frees nothing before it knows."""
+    kept, fixed = torch.arange(6.0), torch.from_numpy(np.arange(4.0))
+    parked = HostCopy()
+    with pytest.raises(RuntimeError, match="own_storage"):
+        parked.offload([kept, fixed])
+    assert torch.equal(kept, torch.arange(6.0)) and not parked.parked
+    assert parked.offload([kept]) == 6 * 4  # the same HostCopy serves again
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
