@@ -152,18 +152,88 @@ def _child(path: str, specs: list[str]) -> None:
             sys.exit(f"the {spec} load of {path} failed")
 
 
+@dataclass(frozen=True)
+class ShardedLoadMemory:
+    """One rank's figures of a sharded load (`sharded_from_rank0`), in bytes: the peak growth of its private
+    memory, the whole model's weights and the rank's own shards of them."""
+
+    rank: int
+    peak: int
+    model: int
+    shard: int
+    every_rank: bool  # the baseline: every rank loads the whole model and shards it (`held_model`)
+
+    def line(self) -> str:
+        way = "every rank loads (baseline)" if self.every_rank else "sharded_from_rank0"
+        return (f"{way}, rank {self.rank}: peak host memory while loading: {self.peak / MiB:.0f} MiB for a "
+                f"{self.model / MiB:.0f} MiB model in fp32, of which the rank keeps {self.shard / MiB:.0f} MiB")
+
+
+def measure_sharded(path: str | Path, world_size: int = 2, every_rank: bool = False) -> list[ShardedLoadMemory]:
+    """Each rank's figures while ``world_size`` gloo ranks, one process each, load the model at ``path`` sharded
+    with FSDP2 in fp32 (`infra.trainers.models.sharded_from_rank0`: rank 0 reads it, the others get shards; with
+    ``every_rank``, the baseline: each rank loads the whole model and shards it)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, __file__, "--sharded-child", str(path), str(rank), str(world_size),
+                               str(port), str(int(every_rank))], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(world_size)]
+    outputs = [process.communicate() for process in ranks]
+    for process, (_, stderr) in zip(ranks, outputs):
+        if process.returncode:
+            raise RuntimeError(f"measuring the sharded load of {path} failed:\n{stderr}")
+    return [ShardedLoadMemory(**json.loads(line)) for stdout, _ in outputs for line in stdout.splitlines()
+            if line.startswith("{")]
+
+
+def _sharded_child(path: str, rank: int, world_size: int, port: int, every_rank: bool) -> None:
+    """One rank of `measure_sharded`: everything imported and the process group made first, then the load."""
+    import torch.distributed as dist
+
+    from dmd2.config import config_from_dict
+    from dmd2.model import architecture, load_pretrained
+    from infra.trainers.models import held_model, sharded_from_rank0
+    from infra.trainers.offload import local, own_storage
+
+    config = config_from_dict({"model": {"teacher": path}, "train": {"parallel": "fsdp", "world_size": world_size}})
+    architecture(path)  # diffusers' model class imported before the measurement
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        def load() -> nn.Module:
+            if every_rank:
+                return held_model(own_storage(load_pretrained(path)), config)
+            return sharded_from_rank0(lambda: own_storage(load_pretrained(path)), lambda: architecture(path), config,
+                                      torch.device("cpu"))
+
+        model, growth = _sampled(load)
+        tensors = list(model.state_dict().values())
+        print(json.dumps({"rank": rank, "peak": growth["RssAnon"],
+                          "model": sum(t.numel() * t.element_size() for t in tensors),
+                          "shard": sum(local(t).numel() * t.element_size() for t in tensors),
+                          "every_rank": every_rank}), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="a save_pretrained directory (default: a new "
                         "random UNet2DModel of 342 MiB in fp32)")
     parser.add_argument("--dir", default=None, help="folder for the new model (default: a temp folder)")
     parser.add_argument("--child", nargs="+", metavar="PATH SPEC", help=argparse.SUPPRESS)
+    parser.add_argument("--sharded-child", nargs=5, metavar="PATH RANK WORLD PORT EVERY", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return _child(args.child[0], args.child[1:])
+    if args.sharded_child:
+        path, rank, world_size, port, every_rank = args.sharded_child
+        return _sharded_child(path, int(rank), int(world_size), int(port), every_rank == "1")
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
         path = args.model or save_bench_model(Path(folder))
-        for load in measure(path):
+        for load in [*measure(path), *measure_sharded(path, every_rank=True), *measure_sharded(path)]:
             print(load.line())
 
 

@@ -3,8 +3,12 @@
 The rank workers (infra/trainers/rank.py) and `dmd2 plan` (infra/trainers/memory_plan.py) share them, so the
 plan measures the very models a run trains."""
 
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
 from dmd2.config import DistillConfig
@@ -34,6 +38,25 @@ def held_model(model: nn.Module, config: DistillConfig, mesh: DeviceMesh | None 
     if train.activation_checkpointing:
         model.enable_gradient_checkpointing()
     return fsdp(model, train.mixed_precision == "bf16", mesh) if train.parallel == "fsdp" else model
+
+
+def sharded_from_rank0(load: Callable[[], nn.Module], on_meta: Callable[[], nn.Module], config: DistillConfig,
+                       device: torch.device) -> nn.Module:
+    """The trained model sharded (`held_model` with `parallel = "fsdp"`) without a whole copy on any device, and
+    on the host of rank 0 alone: every rank builds it on the meta device (``on_meta``) and shards it there, rank 0
+    reads the weights into host memory (``load``), and each rank receives its shards of them
+    (`set_model_state_dict` with `broadcast_from_rank0`, one tensor at a time through the device). Buffers,
+    which FSDP2 leaves whole, are rank 0's, broadcast. Collective: every rank of the group calls it."""
+    whole = load() if dist.get_rank() == 0 else None
+    model = held_model(on_meta(), config).to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, whole.state_dict() if whole is not None else {}, options=options)
+    buffers = dict(whole.named_buffers()) if whole is not None else {}
+    for name, buffer in model.named_buffers():  # non-persistent ones are in no state dict
+        if whole is not None:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, src=0)
+    return model
 
 
 def teacher_dtype(config: DistillConfig) -> torch.dtype | None:

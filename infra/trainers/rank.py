@@ -37,7 +37,7 @@ from dmd2.tensors import non_finite
 from dmd2.trainer import HookContext, train_state, train_steps
 from infra.trainers.collective import gather_rows, on_every_rank, on_rank0
 from infra.trainers.hooks import resolve_hooks
-from infra.trainers.models import held_model, rank_velocity, role_model, teacher_dtype
+from infra.trainers.models import held_model, rank_velocity, role_model, sharded_from_rank0, teacher_dtype
 from infra.trainers.offload import HostCopy, module_tensors, own_storage, sleeping_tensors
 from infra.trainers.parallel import ddp, free_port, full_state_dict, rank_device, unsharded_copy
 from infra.trainers.payloads import get_record, put_record
@@ -133,9 +133,14 @@ class RankWorker:
         self.family = family = self.spec.family.bind(load_prepared(self.store, self.spec.prepared), self.device)
         self.real = family.real_source(self.spec)  # the GAN's real samples: the driver's, or the prepared ones
         config = self.spec.config
-        model = own_storage(role_model(family.load_model(self.trainer.init), family, self.trainer, config)
-                            .to(self.device))
-        self._module = held_model(model, config)
+        init, trainer = self.trainer.init, self.trainer
+        if self.sharded:  # no rank holds the whole model on its device; only rank 0 on its host
+            self._module = sharded_from_rank0(lambda: role_model(family.load_model(init), family, trainer, config),
+                                              lambda: role_model(family.model_on_meta(init), family, trainer, config),
+                                              config, self.device)
+        else:
+            model = own_storage(role_model(family.load_model(init), family, trainer, config).to(self.device))
+            self._module = held_model(model, config)
         # The optimizer is built over the sharded parameters under FSDP; DDP's wrapper comes with `wake`.
         self.state = train_state(self._module, self.trainer.lr, config, family.velocity,
                                  self.trainer.ema_decay, self.trainer.steps_per_rollout)
