@@ -133,7 +133,11 @@ class TrainConfig:
                                         "frozen teacher held in bf16; `no`: fp32 throughout.")
     parallel: str = option("ddp", "`ddp`: every rank holds the whole model, gradients averaged; `fsdp`: FSDP2 shards "
                                   "parameters, gradients and optimizer state over the ranks, block by block (for "
-                                  "models that do not fit a GPU several times over).")
+                                  "models that do not fit a GPU several times over); `hsdp`: FSDP2 shards over each "
+                                  "group of `shard_group_size` ranks (a node) and replicates across the groups, so "
+                                  "gathers stay inside a node.")
+    shard_group_size: int = option(8, "With `parallel = \"hsdp\"`: the ranks that shard one copy of each model, "
+                                      "normally a node's GPUs; world_size must be a multiple of it.")
     activation_checkpointing: bool = option(False, "Recompute each block's activations in backward instead of "
                                                    "keeping them (diffusers' gradient checkpointing): less memory, "
                                                    "about a third more compute per step.")

@@ -17,7 +17,8 @@ SIGMA_SAMPLINGS = ("uniform", "logit_normal")  # [dmd2] critic_sigma_sampling
 PRECISIONS = ("no", "bf16")  # [train] mixed_precision
 CRITIC_SCORING_MODES = ("fused", "original")  # [dmd2] critic_scoring
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD")  # [cluster] placement_strategy
-PARALLELISMS = ("ddp", "fsdp")  # [train] parallel
+PARALLELISMS = ("ddp", "fsdp", "hsdp")  # [train] parallel
+SHARDED = ("fsdp", "hsdp")  # the parallelisms under which a rank holds shards (FSDP2)
 SLEEPS = ("always", "never", "auto")  # [train] sleep
 
 
@@ -53,6 +54,9 @@ def validate(config: "DistillConfig") -> None:
     _check(train.mixed_precision in PRECISIONS,
            f"[train] mixed_precision must be one of {PRECISIONS}, got {train.mixed_precision!r}")
     _check(train.parallel in PARALLELISMS, f"[train] parallel must be one of {PARALLELISMS}, got {train.parallel!r}")
+    _check(train.parallel != "hsdp" or (train.shard_group_size >= 1 and train.world_size % train.shard_group_size == 0),
+           f"[train] world_size ({train.world_size}) must be a multiple of shard_group_size "
+           f"({train.shard_group_size}) with parallel = \"hsdp\": set shard_group_size to the GPUs of one node")
     _check(train.sleep in SLEEPS, f"[train] sleep must be one of {SLEEPS}, got {train.sleep!r}")
     cluster = config.cluster
     _check(cluster.gpus_per_rank is None or cluster.gpus_per_rank >= 0,

@@ -66,7 +66,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
     if not 0 < args.mfu <= 1 or not 0 < args.gpu_tflops < math.inf:
-        raise ConfigError(f"--mfu must be in (0, 1] and --gpu-tflops a number > 0, got {args.mfu:g} and {args.gpu_tflops:g}")
+        raise ConfigError(f"--mfu must be in (0, 1] and --gpu-tflops a number > 0, got {args.mfu:g} and "
+                          f"{args.gpu_tflops:g}")
     if args.json is not None and not args.json.parent.is_dir():  # refused now, not after a minute of planning
         raise ConfigError(f"--json {args.json}: its folder {args.json.parent} does not exist")
     from dmd2.family import family_for  # the bad input above is refused before torch loads
@@ -123,7 +124,10 @@ def duration(seconds: float) -> str:
 
 def layout(config: DistillConfig) -> str:
     train = config.train
-    return ", ".join(["FSDP2" if train.parallel == "fsdp" else "DDP",
+    sharding = {"ddp": "DDP", "fsdp": "FSDP2",
+                "hsdp": f"HSDP (FSDP2 over {train.shard_group_size} GPUs, {train.world_size // train.shard_group_size} "
+                        "replicas)"}
+    return ", ".join([sharding[train.parallel],
                       "bf16 compute" if train.mixed_precision == "bf16" else "fp32",
                       *(["activation checkpointing"] if train.activation_checkpointing else [])])
 
@@ -142,7 +146,7 @@ def remedies(config: DistillConfig, peak) -> str:
     train, parts = config.train, peak.by_category
     state = parts["weights"] + parts["gradients"] + parts["optimizer"]
     options = []
-    if train.parallel != "fsdp" and state > 0.2 * peak.peak:
+    if train.parallel == "ddp" and state > 0.2 * peak.peak:
         options.append((state, 'set [train] parallel = "fsdp" (shards weights, gradients and AdamW state over the '
                                'GPUs)'))
     if train.mixed_precision != "bf16":
@@ -153,7 +157,8 @@ def remedies(config: DistillConfig, peak) -> str:
                                               "in backward)"))
     options.sort(key=lambda option: -option[0])
     options.append((0, f"lower [train] rollout_batch_size (now {config.critic_batch_size} samples per GPU per critic "
-                       "step)" + (", or plan more GPUs (--gpus)" if train.parallel == "fsdp" else "")))
+                       "step)" + {"ddp": "", "fsdp": ", or plan more GPUs (--gpus)",
+                                  "hsdp": ", or shard over more GPUs ([train] shard_group_size)"}[train.parallel]))
     return "; or ".join(text for _, text in options)
 
 

@@ -33,6 +33,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop, shape_wrapper
 
+from dmd2.config import TrainConfig
+from dmd2.config_rules import SHARDED
 from dmd2.convert import samples_to_train_pairs
 from dmd2.family import RunSpec
 from dmd2.gan import tapped
@@ -45,6 +47,7 @@ from infra.trainers.configs import compute_trainer_configs
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.models import held_model, rank_velocity, role_model, teacher_dtype
 from infra.trainers.offload import module_tensors, optimizer_tensors, sleeping_tensors
+from infra.trainers.parallel import mesh_shape
 
 STAGES = ("rollout", "convert", "critic-train", "score", "actor-train")
 RESERVE = 0.10  # of each GPU, for what the figures leave out (see the module docstring)
@@ -178,7 +181,7 @@ def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], par
     parking.park("teacher", module_tensors(gpu.teacher))
     with stage("rollout"):
         samples = rollout_shard(rank_velocity(family, gpu.actor.model, config, DEVICE), spec.conds, plan, 0, DEVICE,
-                                lockstep=config.train.parallel == "fsdp")
+                                lockstep=config.train.parallel in SHARDED)
     with stage("convert"):
         pairs = samples_to_train_pairs(samples, config.student.num_steps)
     del samples
@@ -207,7 +210,7 @@ def plan_memory(spec: RunSpec) -> MemoryPlan:
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     config = spec.config
-    with fake_world(config.train.world_size, config.train.parallel == "fsdp") as mesh:
+    with fake_world(config.train) as mesh:
         with FakeTensorMode(allow_non_fake_inputs=True):
             family = spec.family.plan_bind(config, DEVICE)
             bound = RunSpec(config, family, spec.sample_shape, spec.conds, spec.cache_dir, spec.prepared, spec.real)
@@ -281,18 +284,20 @@ class FlopCount(TorchDispatchMode):
 
 
 @contextmanager
-def fake_world(world_size: int, sharded: bool) -> Iterator[object]:
-    """A fake process group of ``world_size`` ranks (this process is rank 0; collectives move no data) and its
-    device mesh, made before any fake mode (a mesh cannot be made inside one); none where nothing needs it."""
-    if not sharded or dist.is_initialized():
+def fake_world(train: TrainConfig) -> Iterator[object]:
+    """A fake process group of `[train] world_size` ranks (this process is rank 0; collectives move no data) and
+    the device mesh the ranks shard over (`mesh_shape`), made before any fake mode (a mesh cannot be made inside
+    one); none where nothing needs it."""
+    if train.parallel not in SHARDED or dist.is_initialized():
         yield None
         return
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=train.world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        shape = mesh_shape(train)
+        yield init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
     finally:
         dist.destroy_process_group()
 

@@ -12,13 +12,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 from dmd2.config import DistillConfig
+from dmd2.config_rules import SHARDED
 from dmd2.family import ModelFamily
 from dmd2.gan import attach_gan_head
 from dmd2.lora import with_role_adapters
 from dmd2.model import VelocityFn
 from dmd2.precision import Autocast
 from infra.trainers.configs import TrainerConfig
-from infra.trainers.parallel import fsdp
+from infra.trainers.parallel import fsdp, shard_mesh
 
 
 def role_model(model: nn.Module, family: ModelFamily, trainer: TrainerConfig, config: DistillConfig) -> nn.Module:
@@ -33,22 +34,23 @@ def role_model(model: nn.Module, family: ModelFamily, trainer: TrainerConfig, co
 
 def held_model(model: nn.Module, config: DistillConfig, mesh: DeviceMesh | None = None) -> nn.Module:
     """The trained model on its device as `[train]` holds it: activations recomputed in backward (diffusers' own
-    gradient checkpointing) and, with `parallel = "fsdp"`, sharded over ``mesh`` (default: the process group)."""
+    gradient checkpointing) and, with `parallel = "fsdp"` or `"hsdp"`, sharded over ``mesh`` (default: the process
+    group)."""
     train = config.train
     if train.activation_checkpointing:
         model.enable_gradient_checkpointing()
-    return fsdp(model, train.mixed_precision == "bf16", mesh) if train.parallel == "fsdp" else model
+    return fsdp(model, train.mixed_precision == "bf16", mesh) if train.parallel in SHARDED else model
 
 
 def sharded_from_rank0(load: Callable[[], nn.Module], on_meta: Callable[[], nn.Module], config: DistillConfig,
                        device: torch.device) -> nn.Module:
-    """The trained model sharded (`held_model` with `parallel = "fsdp"`) without a whole copy on any device, and
+    """The trained model sharded (`held_model`, over `shard_mesh`) without a whole copy on any device, and
     on the host of rank 0 alone: every rank builds it on the meta device (``on_meta``) and shards it there, rank 0
     reads the weights into host memory (``load``), and each rank receives its shards of them
     (`set_model_state_dict` with `broadcast_from_rank0`, one tensor at a time through the device). Buffers,
     which FSDP2 leaves whole, are rank 0's, broadcast. Collective: every rank of the group calls it."""
     whole = load() if dist.get_rank() == 0 else None
-    model = held_model(on_meta(), config).to_empty(device=device)
+    model = held_model(on_meta(), config, shard_mesh(config.train, device.type)).to_empty(device=device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, whole.state_dict() if whole is not None else {}, options=options)
     buffers = dict(whole.named_buffers()) if whole is not None else {}

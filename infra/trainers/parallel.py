@@ -11,17 +11,23 @@ the root, so each rank holds 1/W of the parameters, gradients and AdamW state an
 block at a time. Every forward of a sharded model is a collective: ranks must make the same number
 (the rollout runs in lockstep, `dmd2.rollout.backward_simulate`), and evaluation and export work on
 one gathered copy (`full_state_dict`, `unsharded_copy`).
+
+`[train] parallel = "hsdp"`: the same FSDP2 over a 2-D mesh (`shard_mesh`): each group of
+`shard_group_size` consecutive ranks (a node's) shards one copy, and the copies are replicas, their
+gradients all-reduced across the groups after each group's reduce-scatter: gathers stay inside a node.
 """
 
+import functools
 import os
 import socket
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from dmd2.config import TrainConfig
 from dmd2.lora import add_adapters_like, has_adapters
 
 
@@ -69,6 +75,24 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     if names:
         return [module for module in model.modules() if type(module).__name__ in names]
     return [unit for child in model.children() if isinstance(child, nn.ModuleList) for unit in child]
+
+
+def mesh_shape(train: TrainConfig) -> tuple[int, ...]:
+    """The ranks FSDP2 spreads a model over: (world_size,) shards; under `hsdp`, (replicas, shard_group_size)."""
+    if train.parallel == "hsdp":
+        return train.world_size // train.shard_group_size, train.shard_group_size
+    return (train.world_size,)
+
+
+@functools.cache  # made once per process: both roles' ranks share it (a mesh's groups are made collectively)
+def _device_mesh(device_type: str, shape: tuple[int, ...]) -> DeviceMesh:
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+
+
+def shard_mesh(train: TrainConfig, device_type: str) -> DeviceMesh | None:
+    """The mesh of `mesh_shape` for a rank's sharded model: None under `fsdp` (FSDP2's default, the whole
+    process group), a 2-D mesh under `hsdp` (FSDP2 shards over its second dimension, replicates over the first)."""
+    return _device_mesh(device_type, mesh_shape(train)) if train.parallel == "hsdp" else None
 
 
 def fsdp(model: nn.Module, bf16: bool, mesh: DeviceMesh | None = None) -> nn.Module:

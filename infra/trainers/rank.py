@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dmd2.config_rules import SHARDED
 from dmd2.convert import samples_to_train_pairs
 from dmd2.failures import NonFiniteError
 from dmd2.family import RunSpec
@@ -94,7 +95,7 @@ class RankWorker:
         self.optimizer_steps = 0
         self._evaluator = None
         self._sleeping, self._teacher_host = HostCopy(), HostCopy()
-        self.sharded = spec.config.train.parallel == "fsdp"
+        self.sharded = spec.config.train.parallel in SHARDED
         # `[train] sleep`: "never" keeps everything resident; "auto" reaches a rank already decided by the distill
         # flow (flows/plan.py `resolve_sleep`), and undecided (groups built without the flow) it sleeps.
         self.sleeps = spec.config.train.sleep != "never"

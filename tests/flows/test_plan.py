@@ -7,7 +7,9 @@ import torch
 
 from dmd2.config import ConfigError, load_recipe
 from dmd2.families.sd3.family import SD3Family
+from dmd2.family import family_for
 from flows.cli import main
+from flows.recipe import DEFAULT_RECIPE
 from infra.trainers.memory_plan import STAGES, plan_memory
 from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_sd3_pipeline
 
@@ -104,3 +106,15 @@ def test_distill_refuses_a_recipe_too_large_for_this_machine_before_any_group_or
     experiment = client.get_experiment_by_name("dmd2")
     assert experiment is None or client.search_runs([experiment.experiment_id]) == []
     assert not (tmp_path / "store" / "huge" / "checkpoints").exists()
+
+
+def test_hsdp_plans_each_gpu_as_fsdp_over_its_shard_group():
+    """HSDP over 2 replicas of 2-GPU shard groups holds on each GPU what FSDP2 over 2 GPUs does with the same
+    batch per GPU (4 GPUs, twice the global batch), and computes as much."""
+    recipe = load_recipe(DEFAULT_RECIPE)
+    batch = recipe.train.rollout_batch_size
+    fsdp = recipe.replace("train", parallel="fsdp", world_size=2, rollout_batch_size=batch)
+    hsdp = recipe.replace("train", parallel="hsdp", world_size=4, shard_group_size=2, rollout_batch_size=2 * batch)
+    planned = [plan_memory(family_for(config.model).plan_spec(config)) for config in (fsdp, hsdp)]
+    assert [stage.peak for stage in planned[0].stages] == [stage.peak for stage in planned[1].stages]
+    assert planned[0].flops == planned[1].flops and planned[0].host_parked == planned[1].host_parked

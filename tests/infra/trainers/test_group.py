@@ -325,6 +325,24 @@ def test_a_sharded_checkpoint_of_world_size_2_continues_at_world_size_1_to_the_s
         assert max_abs_diff(world1["weights"][role], continued[role]) <= 1e-5, role
 
 
+def test_hsdp_at_world_size_4_trains_the_same_models_as_world_size_1(world1, tiny_teacher, tmp_path):
+    """A 2 x 2 mesh (gloo): ranks 0-1 and 2-3 each shard one copy and the copies are replicas. Its two rollouts,
+    with a checkpoint between them loaded back in place (the replicas' shards written once, each rank reading
+    what it holds), land where world size 1 did."""
+    task = run_spec(tiny_config(tiny_teacher, 4, parallel="hsdp", shard_group_size=2))
+    store = new_store(tmp_path)
+    groups = build_groups(task, store, RankResources(num_cpus=0.5))
+    try:
+        run_rollout_on_groups(groups, RUN, 0)
+        load_groups(groups, save_groups(groups, RUN, step=1))
+        run_rollout_on_groups(groups, RUN, 1)
+        final = weights(groups, store, "hsdp")
+    finally:
+        groups.shutdown()
+    for role in ("actor", "critic"):
+        assert max_abs_diff(world1["weights"][role], final[role]) <= 1e-5, role
+
+
 def test_the_nodes_system_metrics_are_logged_once_under_its_ip_and_ray_node_id(world1):
     tracker = world1["tracker"]
     logged = tracker.client.get_run(tracker.mlflow_run_id).data.metrics
