@@ -10,6 +10,7 @@ shard layout.
 """
 
 import logging
+import os
 import re
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -102,16 +103,46 @@ class RankProcess:
         return len(self.workers)
 
 
+# The driver's settings of the collectives' libraries, which a rank on another node would not otherwise see
+# (Ray's workers inherit the environment of the node's raylet, not the driver's): NCCL_SOCKET_IFNAME,
+# NCCL_IB_HCA, NCCL_DEBUG, TORCH_NCCL_..., GLOO_SOCKET_IFNAME.
+FORWARDED_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "TORCH_DISTRIBUTED_")
+
+
+def forwarded_env() -> dict[str, str]:
+    """The driver's variables of `FORWARDED_ENV_PREFIXES`, for every rank process."""
+    return {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENV_PREFIXES)}
+
+
 def start_rank_processes(world_size: int, resources: RankResources,
                          placement: PlacementGroup | None = None) -> list[ray.actor.ActorHandle]:
-    """One `RankProcess` per rank, asking ``resources``: rank i on bundle i of ``placement`` (when given)."""
+    """One `RankProcess` per rank, asking ``resources``: rank i on bundle i of ``placement`` (when given), with
+    the driver's `forwarded_env`."""
     actor_class, processes = ray.remote(RankProcess), []
+    env = forwarded_env()
+    runtime_env = {"runtime_env": {"env_vars": env}} if env else {}  # none: Ray reuses its ready workers
     for rank in range(world_size):
         strategy = (PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank)
                     if placement is not None else "DEFAULT")
         processes.append(actor_class.options(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
-                                             resources=dict(resources.custom), scheduling_strategy=strategy).remote())
+                                             resources=dict(resources.custom), scheduling_strategy=strategy,
+                                             **runtime_env).remote())
     return processes
+
+
+def check_distinct_devices(role: str, devices: list[str | None]) -> None:
+    """``RuntimeError`` naming the ranks of ``role``'s group whose GPUs (by UUID) are one: two ranks of a group
+    on one GPU would each size their work for a whole GPU (Ray's fractional GPUs have been seen to ignore
+    placement bundles). CPU ranks (None) share the host by design."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, device in enumerate(devices):
+        if device is not None:
+            ranks_of.setdefault(device, []).append(rank)
+    shared = {device: ranks for device, ranks in ranks_of.items() if len(ranks) > 1}
+    if shared:
+        listed = "; ".join(f"ranks {', '.join(map(str, ranks))} on GPU {device}" for device, ranks in shared.items())
+        raise RuntimeError(f"the {role} group's ranks share GPUs ({listed}): each rank needs a GPU of its own. "
+                           "Check [cluster] gpus_per_rank and the nodes' GPUs as Ray reports them (ray status)")
 
 
 class TrainerGroup:
@@ -159,6 +190,7 @@ class TrainerGroup:
         if self.rendezvous is None:
             self.join()
         ray.get(self._joining)
+        check_distinct_devices(self.role, self._each("device_uuid"))
         logger.info("%s group ready: %d ranks, rendezvous %s:%d", self.role, self.world_size, *self.rendezvous)
         return self
 

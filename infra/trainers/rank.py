@@ -114,6 +114,12 @@ class RankWorker:
 
         return ray.get_runtime_context().get_node_id()
 
+    def device_uuid(self) -> str | None:
+        """The UUID of this rank's GPU (None on a CPU), which tells two ranks' GPUs apart across processes."""
+        if self.device.type != "cuda":
+            return None
+        return str(torch.cuda.get_device_properties(self.device).uuid)
+
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the group's process group and load the models (the teacher parked on the host). Rank i of a
         group sharing this process (`infra.trainers.group.RankProcess`) has joined it already: the groups share

@@ -1,6 +1,7 @@
 """[cluster] resources: what each rank asks Ray for, what can never be placed, and a rank promised a GPU
 that sees none."""
 
+import os
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import ray
 from dmd2.config import ClusterConfig
 from dmd2.config import ConfigError
 from infra.trainers.cluster import RankResources, placeable_bundles, rank_placement_group, rank_resources
+from infra.trainers.group import check_distinct_devices, start_rank_processes
 from infra.trainers.stages import build_groups
 from tests.infra.trainers.ray_fixtures import new_store, run_spec, tiny_config, tiny_teacher  # noqa: F401
 
@@ -68,3 +70,27 @@ def test_bundles_a_local_ray_can_never_hold_are_refused_at_once(ray_with_a_prete
     assert time.monotonic() - began < 5  # not the 120 s wait for a placement that never comes
     group = rank_placement_group(4, RankResources(num_cpus=1))  # what fits is still placed
     ray.util.remove_placement_group(group)
+
+
+def test_the_drivers_collective_settings_reach_every_rank_process(ray_with_a_pretend_gpu, monkeypatch):
+    """Set after Ray started (so not inherited from the raylet): NCCL's and gloo's variables reach the ranks,
+    the driver's other variables do not."""
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth7")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth8")
+    monkeypatch.setenv("DMD2_TEST_NOT_FORWARDED", "1")
+    processes = start_rank_processes(2, RankResources(num_cpus=0.5))
+    try:
+        seen = ray.get([process.__ray_call__.remote(
+            lambda _: {name: os.environ.get(name)
+                       for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "DMD2_TEST_NOT_FORWARDED")})
+            for process in processes])
+    finally:
+        for process in processes:
+            ray.kill(process)
+    assert seen == [{"NCCL_SOCKET_IFNAME": "eth7", "GLOO_SOCKET_IFNAME": "eth8", "DMD2_TEST_NOT_FORWARDED": None}] * 2
+
+
+def test_ranks_of_one_group_on_one_gpu_are_refused_naming_them():
+    check_distinct_devices("critic", ["GPU-a", "GPU-b", None, None])  # CPU ranks share the host by design
+    with pytest.raises(RuntimeError, match=r"critic group's ranks share GPUs \(ranks 0, 2 on GPU GPU-a\)"):
+        check_distinct_devices("critic", ["GPU-a", "GPU-b", "GPU-a", "GPU-c"])
