@@ -22,6 +22,7 @@ import os
 import socket
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -84,15 +85,17 @@ def mesh_shape(train: TrainConfig) -> tuple[int, ...]:
     return (train.world_size,)
 
 
-@functools.cache  # made once per process: both roles' ranks share it (a mesh's groups are made collectively)
-def _device_mesh(device_type: str, shape: tuple[int, ...]) -> DeviceMesh:
+@functools.cache  # once per process group: both roles' ranks share it (a mesh's groups are made collectively)
+def _device_mesh(device_type: str, shape: tuple[int, ...], world: object) -> DeviceMesh:
     return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
 
 
 def shard_mesh(train: TrainConfig, device_type: str) -> DeviceMesh | None:
     """The mesh of `mesh_shape` for a rank's sharded model: None under `fsdp` (FSDP2's default, the whole
     process group), a 2-D mesh under `hsdp` (FSDP2 shards over its second dimension, replicates over the first)."""
-    return _device_mesh(device_type, mesh_shape(train)) if train.parallel == "hsdp" else None
+    if train.parallel != "hsdp":
+        return None
+    return _device_mesh(device_type, mesh_shape(train), dist.group.WORLD)  # a new process group: a new mesh
 
 
 def fsdp(model: nn.Module, bf16: bool, mesh: DeviceMesh | None = None) -> nn.Module:
