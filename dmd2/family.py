@@ -79,7 +79,7 @@ class Evaluation:
 
 
 class Evaluator(Protocol):
-    """Built once per run on the rank that evaluates (reference statistics are not cheap)."""
+    """Built once per run on the rank that evaluates (reference statistics are not cheap), for its device."""
 
     def evaluate(self, student: VelocityFn) -> Evaluation:
         """Score the student (its velocity call) and make its media."""
@@ -89,6 +89,15 @@ class Evaluator(Protocol):
 
     def reference_media(self) -> dict[str, np.ndarray]:
         """Pictures logged once at the start, beside the student's (e.g. the teacher's own grid)."""
+
+    def references_id(self) -> str:
+        """Names what `references` depend on: stored ones are handed back only to an evaluator of the same id."""
+
+    def references(self) -> dict[str, Tensor]:
+        """What the evaluator makes once per run and the rank stores (e.g. the teacher's samples); {}: nothing."""
+
+    def with_references(self, tensors: dict[str, Tensor]) -> None:
+        """Take `references` stored earlier in the run instead of making them again (a replaced rank process)."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +227,8 @@ class ModelFamily:
 
         return DiffusersVelocity(model)
 
-    def evaluator(self, config: DistillConfig, cache_dir: Path) -> Evaluator:
+    def evaluator(self, config: DistillConfig, cache_dir: Path, device: torch.device | str = "cpu") -> Evaluator:
+        """The run's evaluator, for a rank on ``device`` (its models go there)."""
         raise NotImplementedError
 
     def export(self, student: nn.Module, config: DistillConfig, out_dir: Path, card: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ round to bf16's 8 bits of mantissa, which would put `1000 * sigma` on steps of 4
 import torch
 from torch import Tensor
 
+from dmd2.config import DistillConfig
 from dmd2.model import Cond, VelocityFn
 
 
@@ -21,3 +22,14 @@ class Autocast:
     def __call__(self, x_s: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         with torch.autocast(self.device_type, dtype=torch.bfloat16):
             return self.velocity_fn(x_s, sigma, cond).float()
+
+
+def in_run_precision(velocity_fn: VelocityFn, config: DistillConfig, device_type: str) -> VelocityFn:
+    """``velocity_fn`` as the run computes it: under `Autocast` with `[train] mixed_precision = "bf16"`."""
+    return Autocast(velocity_fn, device_type) if config.train.mixed_precision == "bf16" else velocity_fn
+
+
+def teacher_dtype(config: DistillConfig) -> torch.dtype | None:
+    """The frozen teacher's dtype: bf16 under `mixed_precision = "bf16"` (no master weights to keep), else the
+    family's default."""
+    return torch.bfloat16 if config.train.mixed_precision == "bf16" else None

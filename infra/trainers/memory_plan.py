@@ -41,11 +41,12 @@ from dmd2.gan import tapped
 from dmd2.hooks import score
 from dmd2.memory import MemoryLedger, StagePeak
 from dmd2.plan import rollout_plan
+from dmd2.precision import teacher_dtype
 from dmd2.rollout import rollout_shard
 from dmd2.trainer import HookContext, Hooks, TrainState, train_state, train_steps
 from infra.trainers.configs import compute_trainer_configs
 from infra.trainers.hooks import resolve_hooks
-from infra.trainers.models import held_model, rank_velocity, role_model, teacher_dtype
+from infra.trainers.models import held_model, rank_velocity, role_model
 from infra.trainers.offload import module_tensors, optimizer_tensors, sleeping_tensors
 from infra.trainers.parallel import mesh_shape
 

@@ -17,7 +17,7 @@ from dmd2.family import ModelFamily
 from dmd2.gan import attach_gan_head
 from dmd2.lora import with_role_adapters
 from dmd2.model import VelocityFn
-from dmd2.precision import Autocast
+from dmd2.precision import in_run_precision
 from infra.trainers.configs import TrainerConfig
 from infra.trainers.parallel import fsdp, shard_mesh
 
@@ -61,15 +61,6 @@ def sharded_from_rank0(load: Callable[[], nn.Module], on_meta: Callable[[], nn.M
     return model
 
 
-def teacher_dtype(config: DistillConfig) -> torch.dtype | None:
-    """The frozen teacher's dtype: bf16 under `mixed_precision = "bf16"` (no master weights to keep), else the
-    family's default."""
-    return torch.bfloat16 if config.train.mixed_precision == "bf16" else None
-
-
 def rank_velocity(family: ModelFamily, model: nn.Module, config: DistillConfig, device: torch.device) -> VelocityFn:
-    """How a rank calls a model: the family's call, under bf16 autocast with `[train] mixed_precision`."""
-    velocity = family.velocity(model)
-    if config.train.mixed_precision == "bf16":
-        velocity = Autocast(velocity, device.type)
-    return velocity
+    """How a rank calls a model: the family's call, in the run's precision (`in_run_precision`)."""
+    return in_run_precision(family.velocity(model), config, device.type)

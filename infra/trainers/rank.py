@@ -33,17 +33,18 @@ from dmd2.gan import tapped
 from dmd2.hooks import score
 from dmd2.model import HostCalls, VelocityFn
 from dmd2.plan import RolloutPlan, rollout_plan
+from dmd2.precision import teacher_dtype
 from dmd2.rollout import rollout_shard
 from dmd2.tensors import non_finite
 from dmd2.trainer import HookContext, train_state, train_steps
 from infra.trainers.collective import gather_rows, on_every_rank, on_rank0
 from infra.trainers.hooks import resolve_hooks
-from infra.trainers.models import held_model, rank_velocity, role_model, sharded_from_rank0, teacher_dtype
+from infra.trainers.models import held_model, rank_velocity, role_model, sharded_from_rank0
 from infra.trainers.offload import HostCopy, module_tensors, own_storage, sleeping_tensors
 from infra.trainers.parallel import ddp, free_port, full_state_dict, rank_device, unsharded_copy
 from infra.trainers.payloads import get_record, put_record
 from infra.trainers.prepare import load_prepared
-from infra.store import ArtifactRef, ArtifactStore
+from infra.store import ArtifactRef, ArtifactStore, StoreError
 from infra.trainers.checkpoint import checkpoint_key, load_checkpoint, rng_state, save_checkpoint
 from infra.trainers.sharded import state_digest
 from infra.trainers.configs import TrainerConfig
@@ -93,7 +94,7 @@ class RankWorker:
         self.device = rank_device(trainer.role, rank, promised_gpus)
         self.rollouts_trained = 0
         self.optimizer_steps = 0
-        self._evaluator = None
+        self._evaluator, self._references_key, self._references_kept = None, "", False
         self._sleeping, self._teacher_host = HostCopy(), HostCopy()
         self.sharded = spec.config.train.parallel in SHARDED
         # `[train] sleep`: "never" keeps everything resident; "auto" reaches a rank already decided by the distill
@@ -332,13 +333,14 @@ class RankWorker:
         """The family's evaluation of the current student; media go to ``<run_id>/eval/<step>/media``."""
         with self._in_use(), self._student_weights(), self._unsharded() as student:
             def work() -> EvalResult:
-                evaluator = self._get_evaluator()
+                evaluator = self._get_evaluator(run_id)
                 student.eval()  # sampled as users sample it
                 try:
                     evaluation = evaluator.evaluate(HostCalls(self._velocity(student), self.device))
                     baselines = evaluator.baselines() if with_baselines else None
                 finally:
                     student.train()
+                self._keep_references()
                 media = _pictures(evaluation.media)
                 media_ref = self.store.put_tensors(f"{run_id}/eval/{step}/media.safetensors", media) if media else None
                 return EvalResult(evaluation.scores, media_ref, baselines)
@@ -347,16 +349,36 @@ class RankWorker:
     def reference_media(self, run_id: str) -> ArtifactRef | None:
         """The evaluator's pictures to show once beside the student's (e.g. the teacher's grid) -> the store."""
         def work() -> ArtifactRef | None:
-            media = self._get_evaluator().reference_media()
+            media = self._get_evaluator(run_id).reference_media()
+            self._keep_references()
             if not media:
                 return None
             return self.store.put_tensors(f"{run_id}/eval/reference/media.safetensors", _pictures(media))
         return on_rank0(work, self._objects)
 
-    def _get_evaluator(self):
-        if self._evaluator is None:  # built on first use: the reference statistics are not cheap
-            self._evaluator = self.family.evaluator(self.spec.config, Path(self.spec.cache_dir))
+    def _get_evaluator(self, run_id: str):
+        """The run's evaluator, built on first use (reference statistics are not cheap) for this rank's device,
+        with what an earlier rank process of the run stored of its references (`_keep_references`)."""
+        if self._evaluator is None:
+            evaluator = self.family.evaluator(self.spec.config, Path(self.spec.cache_dir), self.device)
+            self._references_key = f"{run_id}/eval/reference/{evaluator.references_id()}"
+            if (ref := self.store.find_json(f"{self._references_key}.json")) is not None:
+                try:
+                    evaluator.with_references(self.store.get_tensors(ArtifactRef.from_dict(ref)))
+                    self._references_kept = True
+                except (StoreError, FileNotFoundError, ValueError) as exc:  # made again rather than trusted
+                    logger.warning("making the evaluation references again: %s unreadable (%s)",
+                                   self._references_key, exc)
+            self._evaluator = evaluator
         return self._evaluator
+
+    def _keep_references(self) -> None:
+        """Store the evaluator's once-per-run references (rank 0, once), for the rank processes that may replace
+        this one in the run (recovery, resume)."""
+        if not self._references_kept and (tensors := self._evaluator.references()):
+            ref = self.store.put_tensors(f"{self._references_key}.safetensors", tensors)
+            self.store.put_json(f"{self._references_key}.json", ref.to_dict())
+        self._references_kept = True
 
     def export(self, run_id: str, step: int, card: dict[str, Any]) -> ArtifactRef:
         """The family's export of the student (e.g. a diffusers directory) -> ``<run_id>/student/<step>``."""

@@ -54,17 +54,31 @@ def sd3_runs(prefect_server, shared_ray, tmp_path_factory):
         return {"prepared_now": "prepared inputs (e.g. encoded prompts) were made by this run" in out,
                 "student_dir": str(tmp / "out" / run_id / "student"), "mlflow_run_id": run.info.run_id}
 
+    def teacher_samples(run_id: str) -> dict[str, int]:
+        """The stored teacher samples of a run's evaluations, and when each file was written."""
+        folder = tmp / "store" / run_id / "eval" / "reference"
+        return {path.name: path.stat().st_mtime_ns for path in folder.glob("teacher-*")}
+
     first = distill("sd3-a", 2)
+    stored_by_first = teacher_samples("sd3-a")
     other = distill("sd3-b", 1)
     resumed = distill("sd3-a", 3)
     return {"first": first, "other": other, "resumed": resumed, "teacher": teacher, "store": ArtifactStore(store),
-            "uri": uri}
+            "uri": uri, "teacher_samples": (stored_by_first, teacher_samples("sd3-a"))}
 
 
 def test_prompts_are_encoded_once_across_runs_and_a_resume(sd3_runs):
     assert [sd3_runs[k]["prepared_now"] for k in ("first", "other", "resumed")] == [True, False, False]
     store = sd3_runs["store"]
     assert len(store._backend.list_dirs(PREPARED_PREFIX)) == 1
+
+
+def test_the_teachers_samples_are_made_once_per_run_and_read_back_by_its_resume(sd3_runs):
+    """The first run of sd3-a stores them with its first evaluation; its resume, in new rank processes, reads
+    them (a rank that made them again would store them again)."""
+    stored_by_first, after_resume = sd3_runs["teacher_samples"]
+    assert sorted(name.rsplit(".", 1)[1] for name in stored_by_first) == ["json", "safetensors"]
+    assert after_resume == stored_by_first
 
 
 def test_rollout_records_carry_prompt_indices_not_embeddings(sd3_runs):

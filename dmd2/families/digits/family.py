@@ -75,7 +75,8 @@ class DigitsFamily(ModelFamily):
             raise FileNotFoundError(f"cannot load a diffusers model from {path!r} ({exc}); [model] teacher / "
                                     "student / critic_load must name a save_pretrained directory") from exc
 
-    def evaluator(self, config: DistillConfig, cache_dir: Path):
+    def evaluator(self, config: DistillConfig, cache_dir: Path, device: torch.device | str = "cpu"):
+        """The yardstick runs on the host (the digits models are small); the student's calls go to ``device``."""
         from dmd2.families.digits.evaluation import DigitsStudentEvaluator
 
         return DigitsStudentEvaluator.build(config, cache_dir)

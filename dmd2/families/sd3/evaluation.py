@@ -5,8 +5,14 @@ picture. Scores: `eval/latent_mse_teacher`, the mean squared distance of the stu
 teacher's own many-step guided latents from the same noise (fidelity: lower is closer to the teacher),
 and with `[eval] clip_model` the mean CLIP score (100 * cosine of image and prompt embeddings, at
 least 0; Hessel et al. 2021). The teacher's grid of the same prompts is the reference media.
+
+Every model runs on the evaluating rank's device. The teacher is loaded once per evaluator for its two sets of
+samples (`teacher_samples`), which the rank stores and hands to the evaluator of a later rank process of the same
+run (`references`, `with_references`), so a run samples the teacher's many-step reference once.
 """
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +23,8 @@ from dmd2.config import DistillConfig
 from dmd2.family import Evaluation
 from dmd2.families.sd3.conditioning import negative_indices, prompt_indices
 from dmd2.families.sd3.prompts import read_prompts
-from dmd2.model import VelocityFn
+from dmd2.model import HostCalls, VelocityFn
+from dmd2.precision import in_run_precision, teacher_dtype
 from dmd2.sample import generate
 
 def image_grid(images: Tensor, border: int = 2) -> np.ndarray:
@@ -37,17 +44,22 @@ def _features(output) -> Tensor:
 
 @dataclass
 class SD3Evaluator:
+    """Runs on the evaluating rank's ``device``: the teacher, the VAE and CLIP are moved there (the teacher in
+    its training dtype, `[train] mixed_precision`), and the samplers' small host tensors go to them per call."""
+
     family: "object"  # the bound SD3Family (its table holds the eval prompts after the training prompts)
     config: DistillConfig
     prompts: list[str]
     first_index: int
-    _teacher_latents: Tensor | None = field(default=None, repr=False)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _teacher_samples: dict[str, Tensor] | None = field(default=None, repr=False)
     _vae: object = field(default=None, repr=False)
     _clip: tuple | None = field(default=None, repr=False)
 
     @classmethod
-    def build(cls, family, config: DistillConfig) -> "SD3Evaluator":
-        return cls(family, config, family.eval_prompts(config), len(read_prompts(config.data.prompts)))
+    def build(cls, family, config: DistillConfig, device: torch.device | str = "cpu") -> "SD3Evaluator":
+        return cls(family, config, family.eval_prompts(config), len(read_prompts(config.data.prompts)),
+                   torch.device(device))
 
     def _conds(self):
         index = torch.arange(self.first_index, self.first_index + len(self.prompts))
@@ -63,23 +75,46 @@ class SD3Evaluator:
         return generate(student, cond, neg, self._shape(), sampler="student", num_steps=self.config.student.num_steps,
                         shift=self.config.student.grid_shift, seed=self.config.train.seed, clamp=False)
 
-    def _teacher(self) -> VelocityFn:
-        # Loading initialises weights from the global RNG first: keep the caller's RNG untouched.
-        with torch.random.fork_rng(devices=[]):
-            model = self.family.load_model(self.config.model.teacher).eval().requires_grad_(False)
-        return self.family.velocity(model)
-
-    def teacher_latents(self, num_steps: int | None = None) -> Tensor:
+    def _teacher_latents(self, teacher: VelocityFn, num_steps: int) -> Tensor:
         cond, neg = self._conds()
-        steps = num_steps or self.config.eval.reference_steps
-        return generate(self._teacher(), cond, neg, self._shape(), sampler="teacher", num_steps=steps,
+        return generate(teacher, cond, neg, self._shape(), sampler="teacher", num_steps=num_steps,
                         guidance_scale=self.config.dmd2.teacher_guidance_scale, shift=self.config.student.grid_shift,
                         seed=self.config.train.seed, clamp=False)
 
-    def _reference(self) -> Tensor:
-        if self._teacher_latents is None:  # the teacher's own many-step samples, from the student's noise
-            self._teacher_latents = self.teacher_latents()
-        return self._teacher_latents
+    def teacher_samples(self) -> dict[str, Tensor]:
+        """The teacher's own latents from the student's noise: "reference" at `[eval] reference_steps` (what
+        `eval/latent_mse_teacher` measures against; the teacher's grid) and "baseline" at the student's step
+        count. Made at the first need with one load of the teacher, which is let go after, unless handed in
+        (`with_references`: made earlier in the run)."""
+        if self._teacher_samples is None:
+            # Loading initialises weights from the global RNG first: keep the caller's RNG untouched.
+            with torch.random.fork_rng(devices=[]):
+                model = self.family.load_model(self.config.model.teacher, teacher_dtype(self.config))
+            model = model.to(self.device).eval().requires_grad_(False)
+            teacher = HostCalls(in_run_precision(self.family.velocity(model), self.config, self.device.type),
+                                self.device)
+            steps = {"reference": self.config.eval.reference_steps, "baseline": self.config.student.num_steps}
+            self._teacher_samples = {name: self._teacher_latents(teacher, n).cpu() for name, n in steps.items()}
+        return self._teacher_samples
+
+    def references_id(self) -> str:
+        """Names what `teacher_samples` depend on (the teacher, the prompts, the grids, the seed, the precision),
+        so that ones stored for another setting are never handed in."""
+        config = self.config
+        settings = [config.model.teacher, self.prompts, config.eval.reference_steps, config.student.num_steps,
+                    config.student.grid_shift, config.dmd2.teacher_guidance_scale, config.train.seed,
+                    config.data.resolution, config.train.mixed_precision]
+        return "teacher-" + hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
+
+    def references(self) -> dict[str, Tensor]:
+        """What this evaluator makes once per run, for the rank to store (`teacher_samples`)."""
+        return self.teacher_samples()
+
+    def with_references(self, tensors: dict[str, Tensor]) -> None:
+        """Hand in `references` made earlier in the run (by a rank since replaced): the teacher is not loaded."""
+        if set(tensors) != {"reference", "baseline"}:
+            raise ValueError(f"SD3 references hold 'reference' and 'baseline', got {sorted(tensors)}")
+        self._teacher_samples = dict(tensors)
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
@@ -88,9 +123,10 @@ class SD3Evaluator:
             from diffusers import AutoencoderKL
 
             self._vae = AutoencoderKL.from_pretrained(self.config.model.teacher, subfolder="vae",
-                                                      low_cpu_mem_usage=False, use_safetensors=True).eval()
-        vae = self._vae
-        return vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
+                                                      low_cpu_mem_usage=False, use_safetensors=True)
+            self._vae = self._vae.to(self.device).eval()
+        vae, latents = self._vae, latents.to(self.device)
+        return vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0].cpu()
 
     @torch.no_grad()
     def clip_score(self, images: Tensor) -> float:
@@ -99,22 +135,22 @@ class SD3Evaluator:
 
         if self._clip is None:
             path = self.config.eval.clip_model
-            self._clip = (CLIPModel.from_pretrained(path, use_safetensors=True).eval(),
+            self._clip = (CLIPModel.from_pretrained(path, use_safetensors=True).to(self.device).eval(),
                           AutoTokenizer.from_pretrained(path))
         model, tokenizer = self._clip
         size = model.config.vision_config.image_size
         pixels = torch.nn.functional.interpolate((images.clamp(-1, 1) + 1) / 2, size=(size, size), mode="bicubic")
         mean = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)  # CLIP's preprocessing
         std = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
-        image = _features(model.get_image_features(pixel_values=(pixels - mean) / std))
-        tokens = tokenizer(self.prompts, padding=True, truncation=True, return_tensors="pt")
+        image = _features(model.get_image_features(pixel_values=((pixels - mean) / std).to(self.device)))
+        tokens = tokenizer(self.prompts, padding=True, truncation=True, return_tensors="pt").to(self.device)
         text = _features(model.get_text_features(**tokens))
         cosine = torch.nn.functional.cosine_similarity(image, text)
         return (100 * cosine).clamp(min=0).mean().item()
 
     def _scores(self, latents: Tensor) -> tuple[dict[str, float], Tensor]:
         images = self.decode(latents)
-        scores = {"eval/latent_mse_teacher": (latents - self._reference()).pow(2).mean().item()}
+        scores = {"eval/latent_mse_teacher": (latents - self.teacher_samples()["reference"]).pow(2).mean().item()}
         if self.config.eval.clip_model:
             scores["eval/clip_score"] = self.clip_score(images)
         return scores, images
@@ -128,10 +164,10 @@ class SD3Evaluator:
     def baselines(self) -> list[tuple[str, dict[str, float]]]:
         """The teacher at the student's step count from the same noise: the naive few-step baseline."""
         steps, guidance = self.config.student.num_steps, self.config.dmd2.teacher_guidance_scale
-        scores, _ = self._scores(self.teacher_latents(steps))
+        scores, _ = self._scores(self.teacher_samples()["baseline"])
         return [(f"teacher, {steps} steps, guidance {guidance:g}", scores)]
 
     @torch.no_grad()
     def reference_media(self) -> dict[str, np.ndarray]:
-        return {"teacher": image_grid(self.decode(self._reference()))}
+        return {"teacher": image_grid(self.decode(self.teacher_samples()["reference"]))}
 

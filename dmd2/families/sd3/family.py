@@ -198,10 +198,10 @@ class SD3Family(ModelFamily):
             raise RuntimeError("the sd3 family calls models through its prompt table: bind the prepared inputs first")
         return TableVelocity(DiffusersVelocity(model), self.table)
 
-    def evaluator(self, config: DistillConfig, cache_dir: Path):
+    def evaluator(self, config: DistillConfig, cache_dir: Path, device: torch.device | str = "cpu"):
         from dmd2.families.sd3.evaluation import SD3Evaluator
 
-        return SD3Evaluator.build(self, config)
+        return SD3Evaluator.build(self, config, device)
 
     def export(self, student: nn.Module, config: DistillConfig, out_dir: Path, card: dict[str, Any]) -> None:
         from dmd2.families.sd3.export import export_pipeline

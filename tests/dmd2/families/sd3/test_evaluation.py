@@ -36,7 +36,7 @@ def test_scores_match_an_explicit_computation(sd3_dir, sd3_pipe, tmp_path):
     evaluation = evaluator.evaluate(student)
 
     latents = evaluator._student_latents(student)
-    reference = evaluator.teacher_latents()
+    reference = evaluator.teacher_samples()["reference"]
     assert abs(evaluation.scores["eval/latent_mse_teacher"] - ((latents - reference) ** 2).mean().item()) < 1e-6
     vae = AutoencoderKL.from_pretrained(str(sd3_dir), subfolder="vae")
     images = vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor).sample.detach()
@@ -56,3 +56,39 @@ def test_scores_match_an_explicit_computation(sd3_dir, sd3_pipe, tmp_path):
     assert set(evaluator.reference_media()) == {"teacher"}
     [(name, scores)] = evaluator.baselines()
     assert name == "teacher, 2 steps, guidance 2" and scores["eval/latent_mse_teacher"] > 0
+
+
+class CountingSD3Family(SD3Family):
+    """The SD3 family, counting the teacher's loads (the evaluator's only host-memory-heavy step)."""
+
+    loads = 0
+
+    def load_model(self, path, dtype=None):
+        type(self).loads += 1
+        return super().load_model(path, dtype)
+
+
+def test_the_teacher_is_loaded_once_per_run_and_not_at_all_given_the_stored_samples(sd3_dir, sd3_pipe, tmp_path):
+    """Two evaluations, the baselines and the reference grid load the teacher once; an evaluator of a later rank
+    process handed the samples stored by the first (`references`) loads it never and scores the same."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS))
+    config = config_from_dict({
+        "model": {"family": "sd3", "teacher": str(sd3_dir)}, "student": {"num_steps": 2},
+        "train": {"rollout_batch_size": 10}, "data": {"prompts": str(prompts), "resolution": 16},
+        "eval": {"reference_steps": 3, "prompts": ["a red dog", "the cat"]},
+    })
+    family = CountingSD3Family().bind({"prompts": encode_prompt_table(sd3_pipe, PROMPTS + ["a red dog", "the cat"],
+                                                                      "")})
+    student = family.velocity(SD3Family().load_model(str(sd3_dir)))
+    first = SD3Evaluator.build(family, config)
+    scores = [first.evaluate(student).scores for _ in range(2)]
+    first.baselines(), first.reference_media()
+    assert CountingSD3Family.loads == 1 and scores[0] == scores[1]
+    later = SD3Evaluator.build(family, config)
+    assert later.references_id() == first.references_id()
+    later.with_references({name: tensor.clone() for name, tensor in first.references().items()})
+    assert later.evaluate(student).scores == scores[0] and later.baselines() == first.baselines()
+    assert CountingSD3Family.loads == 1
+    other = config.replace("eval", reference_steps=4)  # stored samples of another setting are never handed in
+    assert SD3Evaluator.build(family, other).references_id() != first.references_id()
