@@ -21,6 +21,7 @@ from pathlib import Path
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dmd2.config import ClusterConfig, ConfigError
 
@@ -162,6 +163,28 @@ def first_bundle_on_each_node(group: PlacementGroup) -> dict[int, str]:
         first.setdefault(node, bundle)
     ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     return {bundle: f"{ips.get(node, 'node')}-{node[:6]}" for node, bundle in first.items()}
+
+
+def check_folders_on_every_node(group: PlacementGroup, folders: list[str], timeout_s: float = 120.0) -> None:
+    """``ConfigError`` naming each node of ``group`` that cannot see one of ``folders`` (the model folders its
+    ranks will load, as the driver names them), asked by a task on each node before any rank process starts: a
+    rank that found one missing would fail only after the others had loaded, with a message about its own node."""
+    if not folders:
+        return
+    asked = {node: _missing_folders.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                 group, placement_group_bundle_index=bundle)).remote(folders)
+             for bundle, node in first_bundle_on_each_node(group).items()}
+    lacking = [f"{path} on {node}" for node, ref in asked.items() for path in ray.get(ref, timeout=timeout_s)]
+    if lacking:
+        raise ConfigError(f"the ranks cannot see the model folders they are to load: {'; '.join(lacking)}. A model "
+                          "given as a local folder ([model] teacher, student, critic_load) must be at the same "
+                          "absolute path on every node: copy it there, put it on a filesystem every node mounts, "
+                          "or give a hub id")
+
+
+@ray.remote(num_cpus=0)
+def _missing_folders(folders: list[str]) -> list[str]:
+    return [folder for folder in folders if not os.path.isdir(folder)]
 
 
 def rank_memory(cluster: ClusterConfig, timeout_s: float = 120.0) -> tuple[str | None, int]:

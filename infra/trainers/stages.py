@@ -7,13 +7,15 @@ chains them exactly as `dmd2.loop.run_rollout` does in process. The driver never
 """
 
 import logging
+import os
 from dataclasses import dataclass
 
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from dmd2.family import RunSpec
 from dmd2.hooks import summarize_critic
-from infra.trainers.cluster import RankResources, first_bundle_on_each_node, rank_placement_group, rank_resources
+from infra.trainers.cluster import (RankResources, check_folders_on_every_node, first_bundle_on_each_node,
+                                    rank_placement_group, rank_resources)
 from infra.trainers.group import TrainerGroup, TrainResult, start_rank_processes
 from infra.store import ArtifactRef, ArtifactStore
 from infra.tracking.system import SystemMetrics
@@ -61,6 +63,13 @@ def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources |
     resources = resources or rank_resources(spec.config.cluster, len(trainers), world_size)
     strategy = strategy or spec.config.cluster.placement_strategy
     placement = rank_placement_group(world_size, resources, groups=len(trainers), strategy=strategy)
+    try:  # a hub id is not a folder here: each node fetches it itself
+        check_folders_on_every_node(placement, sorted({path for trainer in trainers
+                                                       for path in (trainer.init, trainer.teacher)
+                                                       if path is not None and os.path.isdir(path)}))
+    except BaseException:
+        remove_placement_group(placement)
+        raise
     monitors = ({rank: system_metrics.on(node) for rank, node in first_bundle_on_each_node(placement).items()}
                 if system_metrics is not None else {})
     shared = spec.config.cluster.colocate or not resources.num_gpus

@@ -1,15 +1,17 @@
-"""[cluster] resources: what each rank asks Ray for, what can never be placed, and a rank promised a GPU
-that sees none."""
+"""[cluster] resources: what each rank asks Ray for, what can never be placed, a rank promised a GPU that sees
+none, two ranks on one GPU, the driver's collective settings, and model folders a node cannot see."""
 
 import os
 import time
 
 import pytest
 import ray
+from ray.util.placement_group import remove_placement_group
 
 from dmd2.config import ClusterConfig
 from dmd2.config import ConfigError
-from infra.trainers.cluster import RankResources, placeable_bundles, rank_placement_group, rank_resources
+from infra.trainers.cluster import (RankResources, check_folders_on_every_node, placeable_bundles,
+                                    rank_placement_group, rank_resources)
 from infra.trainers.group import check_distinct_devices, start_rank_processes
 from infra.trainers.stages import build_groups
 from tests.infra.trainers.ray_fixtures import new_store, run_spec, tiny_config, tiny_teacher  # noqa: F401
@@ -94,3 +96,15 @@ def test_ranks_of_one_group_on_one_gpu_are_refused_naming_them():
     check_distinct_devices("critic", ["GPU-a", "GPU-b", None, None])  # CPU ranks share the host by design
     with pytest.raises(RuntimeError, match=r"critic group's ranks share GPUs \(ranks 0, 2 on GPU GPU-a\)"):
         check_distinct_devices("critic", ["GPU-a", "GPU-b", "GPU-a", "GPU-c"])
+
+
+def test_a_model_folder_a_node_cannot_see_is_refused_naming_the_node_before_any_rank_starts(ray_with_a_pretend_gpu,
+                                                                                            tmp_path):
+    group = rank_placement_group(2, RankResources(num_cpus=1))
+    try:
+        check_folders_on_every_node(group, [str(tmp_path)])  # every node sees it
+        with pytest.raises(ConfigError, match=rf"cannot see the model folders .*: {tmp_path / 'gone'} on "
+                                              rf"{ray.util.get_node_ip_address()}-\w+\. .*same absolute path"):
+            check_folders_on_every_node(group, [str(tmp_path), str(tmp_path / "gone")])
+    finally:
+        remove_placement_group(group)
