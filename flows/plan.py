@@ -56,7 +56,12 @@ def planned_config(recipe: Path, overrides: list[str], gpus: int | None) -> Dist
         if gpus < 1:
             raise ConfigError(f"--gpus must be >= 1, got {gpus}")
         parsed.setdefault("train", {})["world_size"] = gpus
-    return load_recipe(recipe, parsed)
+    try:
+        return load_recipe(recipe, parsed)
+    except ConfigError as error:
+        if gpus is None or "world_size" not in str(error):
+            raise
+        raise ConfigError(f"--gpus {gpus} sets [train] world_size: {error}") from error
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

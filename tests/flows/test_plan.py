@@ -60,6 +60,8 @@ def exit_status(args: list[str]) -> int:
     (["--gpu-memory", "8GiB", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1"),
     (["--gpu-memory", "8GiB", "--mfu", "1.5"], "--mfu must be in (0, 1]"),
     (["--gpu-memory", "8GiB", "--gpu-tflops", "inf"], "--gpu-tflops a number > 0"),
+    (["--gpu-memory", "8GiB", "--gpus", "3", "--set", "train.parallel=hsdp", "--set", "train.shard_group_size=2"],
+     "--gpus 3 sets [train] world_size: [train] world_size (3) must be a multiple of shard_group_size (2)"),
     (["--gpu-memory", "8GiB", "--json", "no/such/folder/plan.json"], "--json no/such/folder/plan.json: its folder"),
 ])
 def test_bad_input_is_refused_naming_the_option(args, message, capsys):
