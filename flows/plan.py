@@ -37,7 +37,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", type=memory_size, required=True, metavar="SIZE",
                         help="memory of one GPU, e.g. 80GiB (H100/A100 80 GB), 141GiB (H200), 24GiB")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per machine, for the host memory a node's sleeping "
-                                                          "groups take (default: --gpus, at most 8)")
+                                                          "groups take (default: --gpus, at most 8; under hsdp, "
+                                                          "[train] shard_group_size)")
     parser.add_argument("--gpu-tflops", type=float, default=989.0, metavar="TFLOPS",
                         help="a GPU's peak dense TFLOP/s in the recipe's compute precision, for the time per rollout "
                              "(default 989: an H100 SXM in bf16; an A100 312, an H200 989)")
@@ -67,7 +68,8 @@ def planned_config(recipe: Path, overrides: list[str], gpus: int | None) -> Dist
 def cmd_plan(args: argparse.Namespace) -> int:
     config = planned_config(args.recipe, args.overrides, args.gpus)
     train = config.train
-    gpus_per_node = min(train.world_size, 8) if args.gpus_per_node is None else args.gpus_per_node
+    node = train.shard_group_size if train.parallel == "hsdp" else min(train.world_size, 8)  # what a node holds
+    gpus_per_node = node if args.gpus_per_node is None else args.gpus_per_node
     if gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
     if not 0 < args.mfu <= 1 or not 0 < args.gpu_tflops < math.inf:
