@@ -100,6 +100,23 @@ class Evaluator(Protocol):
         """Take `references` stored earlier in the run instead of making them again (a replaced rank process)."""
 
 
+class SplitEvaluator(Evaluator, Protocol):
+    """An evaluator whose sampling the ranks share (`ModelFamily.splits_evaluation`): each rank samples its share
+    of the student's and of the teacher's samples, and rank 0 scores them all."""
+
+    def student_share(self, student: VelocityFn, rank: int, world_size: int) -> Tensor:
+        """The student's samples of rank ``rank``'s share, as the whole evaluation would sample them."""
+
+    def teacher_share(self, rank: int, world_size: int) -> dict[str, Tensor]:
+        """The teacher's samples of rank ``rank``'s share; every rank's, concatenated, go to `with_references`."""
+
+    def has_references(self) -> bool:
+        """Whether the teacher's samples are here already (made, or handed in)."""
+
+    def score(self, samples: Tensor) -> Evaluation:
+        """The evaluation of the student's samples of every share, in rank order."""
+
+
 @dataclass(frozen=True)
 class Command:
     """A family's own CLI command (`dmd2 <name>`), e.g. the digits family's `pretrain`."""
@@ -148,6 +165,9 @@ class ModelFamily:
     # The layers `[student] lora_rank` adapts (peft `target_modules`: module names or name suffixes); empty:
     # the family trains no LoRA (dmd2/lora.py).
     lora_targets: ClassVar[tuple[str, ...]] = ()
+    # Whether every rank samples a share of an evaluation with the model as it holds it (its evaluator is a
+    # `SplitEvaluator`), rather than rank 0 all of it with a whole copy: for models whose sampling is long.
+    splits_evaluation: ClassVar[bool] = False
 
     @classmethod
     def claims(cls, teacher: str) -> bool:

@@ -29,21 +29,39 @@ def _portable(error: BaseException | None) -> BaseException | None:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
+def _outcome(work: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    try:
+        return work(), None
+    except Exception as raised:
+        return None, raised
+
+
+def _exchanged(outcome: tuple[Any, BaseException | None], group: dist.ProcessGroup | None) -> list[tuple]:
+    """Every rank's (result, error), by rank; raises on every rank if any rank failed (a failing rank its own
+    error, the others the first failing rank's)."""
+    result, error = outcome
+    outcomes = [(result, _portable(error))]
+    if dist.get_world_size() > 1:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, (result, _portable(error)), group=group)
+    error = error or next((e for _, e in outcomes if e is not None), None)
+    if error is not None:
+        raise error
+    return outcomes
+
+
 def on_every_rank(work: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
     """`work()` on this rank; returns its result if it succeeded on every rank, else raises on every
     rank (a failing rank its own error, the others the first failing rank's). `group` carries objects."""
-    result, error = None, None
-    try:
-        result = work()
-    except Exception as raised:
-        error = raised
-    if dist.get_world_size() > 1:
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, _portable(error), group=group)
-        error = error or next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise error
+    result, error = _outcome(work)
+    _exchanged((None, error), group)  # only the errors travel
     return result
+
+
+def gathered(work: Callable[[], T], group: dist.ProcessGroup | None = None) -> list[T]:
+    """`work()` on every rank; every rank's result, by rank, on every rank, or every rank raises as in
+    `on_every_rank` (small results: they travel pickled, e.g. a rank's share of an evaluation's samples)."""
+    return [result for result, _ in _exchanged(_outcome(work), group)]
 
 
 def on_rank0(work: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:

@@ -14,6 +14,7 @@ import faulthandler
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 from dmd2.config_rules import SHARDED
 from dmd2.convert import samples_to_train_pairs
 from dmd2.failures import NonFiniteError
-from dmd2.family import RunSpec
+from dmd2.family import Evaluation, RunSpec
 from dmd2.gan import tapped
 from dmd2.hooks import score
 from dmd2.model import HostCalls, VelocityFn
@@ -37,7 +38,7 @@ from dmd2.precision import teacher_dtype
 from dmd2.rollout import rollout_shard
 from dmd2.tensors import non_finite
 from dmd2.trainer import HookContext, train_state, train_steps
-from infra.trainers.collective import gather_rows, on_every_rank, on_rank0
+from infra.trainers.collective import gather_rows, gathered, on_every_rank, on_rank0
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.models import held_model, rank_velocity, role_model, sharded_from_rank0
 from infra.trainers.offload import HostCopy, module_tensors, own_storage, sleeping_tensors
@@ -69,6 +70,16 @@ class EvalResult:
     scores: dict[str, float]
     media: ArtifactRef | None
     baselines: list[tuple[str, dict[str, float]]] | None = None
+
+
+@contextmanager
+def _sampling(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (sampled as users sample it), back in train mode after."""
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
 
 
 def _pictures(media: dict[str, np.ndarray]) -> dict[str, Tensor]:
@@ -330,24 +341,40 @@ class RankWorker:
     # -- evaluation and export: rank 0 works, every rank takes part (sharded models gather there) --
 
     def evaluate(self, run_id: str, step: int, with_baselines: bool = False) -> EvalResult:
-        """The family's evaluation of the current student; media go to ``<run_id>/eval/<step>/media``."""
-        with self._in_use(), self._student_weights(), self._unsharded() as student:
-            def work() -> EvalResult:
+        """The family's evaluation of the current student; media go to ``<run_id>/eval/<step>/media``. A family
+        that splits its evaluation (`ModelFamily.splits_evaluation`) samples on every rank, a share each, with
+        the model as the rank holds it (nothing gathered); else rank 0 samples with a whole copy. Rank 0 scores."""
+        with self._in_use(), self._student_weights():
+            if self.family.splits_evaluation:
                 evaluator = self._get_evaluator(run_id)
-                student.eval()  # sampled as users sample it
-                try:
-                    evaluation = evaluator.evaluate(HostCalls(self._velocity(student), self.device))
-                    baselines = evaluator.baselines() if with_baselines else None
-                finally:
-                    student.train()
-                self._keep_references()
-                media = _pictures(evaluation.media)
-                media_ref = self.store.put_tensors(f"{run_id}/eval/{step}/media.safetensors", media) if media else None
-                return EvalResult(evaluation.scores, media_ref, baselines)
-            return on_rank0(work, self._objects)
+                self._share_references(evaluator)
+                velocity = HostCalls(self._velocity(self.module), self.device)
+                with _sampling(self.module):
+                    shares = gathered(lambda: evaluator.student_share(velocity, self.rank, self.world_size),
+                                      self._objects)
+                return on_rank0(lambda: self._result(evaluator.score(torch.cat(shares)), run_id, step,
+                                                     with_baselines), self._objects)
+            with self._unsharded() as student:
+                def work() -> EvalResult:
+                    with _sampling(student):
+                        evaluation = self._get_evaluator(run_id).evaluate(
+                            HostCalls(self._velocity(student), self.device))
+                    return self._result(evaluation, run_id, step, with_baselines)
+                return on_rank0(work, self._objects)
+
+    def _result(self, evaluation: Evaluation, run_id: str, step: int, with_baselines: bool) -> EvalResult:
+        """Rank 0's part after sampling: the baselines, the references kept, the media stored."""
+        baselines = self._evaluator.baselines() if with_baselines else None
+        self._keep_references()
+        media = _pictures(evaluation.media)
+        media_ref = self.store.put_tensors(f"{run_id}/eval/{step}/media.safetensors", media) if media else None
+        return EvalResult(evaluation.scores, media_ref, baselines)
 
     def reference_media(self, run_id: str) -> ArtifactRef | None:
         """The evaluator's pictures to show once beside the student's (e.g. the teacher's grid) -> the store."""
+        if self.family.splits_evaluation:
+            self._share_references(self._get_evaluator(run_id))
+
         def work() -> ArtifactRef | None:
             media = self._get_evaluator(run_id).reference_media()
             self._keep_references()
@@ -355,6 +382,15 @@ class RankWorker:
                 return None
             return self.store.put_tensors(f"{run_id}/eval/reference/media.safetensors", _pictures(media))
         return on_rank0(work, self._objects)
+
+    def _share_references(self, evaluator) -> None:
+        """The teacher's samples of a split evaluation made by every rank, a share each, for rank 0's evaluator,
+        unless it has them (made or stored earlier in the run). Collective."""
+        if on_rank0(evaluator.has_references, self._objects):
+            return
+        shares = gathered(lambda: evaluator.teacher_share(self.rank, self.world_size), self._objects)
+        if self.rank == 0:
+            evaluator.with_references({name: torch.cat([share[name] for share in shares]) for name in shares[0]})
 
     def _get_evaluator(self, run_id: str):
         """The run's evaluator, built on first use (reference statistics are not cheap) for this rank's device,

@@ -70,32 +70,60 @@ class SD3Evaluator:
 
         return latent_shape(self.config.model.teacher, self.config.data.resolution)
 
-    def _student_latents(self, student: VelocityFn) -> Tensor:
-        cond, neg = self._conds()
-        return generate(student, cond, neg, self._shape(), sampler="student", num_steps=self.config.student.num_steps,
-                        shift=self.config.student.grid_shift, seed=self.config.train.seed, clamp=False)
+    def _rows(self, rank: int, world_size: int) -> tuple[slice, bool]:
+        """Rank ``rank``'s share of the eval prompts (equal shares, the last ones shorter), and whether it keeps
+        what it samples: a rank left without a prompt samples the last one and drops it, since a sharded
+        model's every forward is a collective all ranks make."""
+        count = len(self.prompts)
+        per_rank = -(-count // world_size)  # rounded up
+        start = rank * per_rank
+        if start >= count:
+            return slice(count - 1, count), False
+        return slice(start, min(start + per_rank, count)), True
 
-    def _teacher_latents(self, teacher: VelocityFn, num_steps: int) -> Tensor:
+    @torch.no_grad()
+    def student_share(self, student: VelocityFn, rank: int = 0, world_size: int = 1) -> Tensor:
+        """The student's latents of rank ``rank``'s share of the eval prompts, from the noise those prompts have
+        in the whole evaluation; `score` takes every rank's, in rank order."""
+        rows, kept = self._rows(rank, world_size)
         cond, neg = self._conds()
-        return generate(teacher, cond, neg, self._shape(), sampler="teacher", num_steps=num_steps,
-                        guidance_scale=self.config.dmd2.teacher_guidance_scale, shift=self.config.student.grid_shift,
-                        seed=self.config.train.seed, clamp=False)
+        latents = generate(student, cond, neg, self._shape(), sampler="student",
+                           num_steps=self.config.student.num_steps, shift=self.config.student.grid_shift,
+                           seed=self.config.train.seed, clamp=False, rows=rows)
+        return latents if kept else latents[:0]
+
+    @torch.no_grad()
+    def teacher_share(self, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
+        """The teacher's own latents of rank ``rank``'s share (see `teacher_samples`), with one load of the
+        teacher on this evaluator's device in its training dtype, let go after."""
+        rows, kept = self._rows(rank, world_size)
+        # Loading initialises weights from the global RNG first: keep the caller's RNG untouched.
+        with torch.random.fork_rng(devices=[]):
+            model = self.family.load_model(self.config.model.teacher, teacher_dtype(self.config))
+        model = model.to(self.device).eval().requires_grad_(False)
+        teacher = HostCalls(in_run_precision(self.family.velocity(model), self.config, self.device.type), self.device)
+        cond, neg = self._conds()
+        samples = {}
+        grids = {"reference": self.config.eval.reference_steps, "baseline": self.config.student.num_steps}
+        for name, steps in grids.items():
+            latents = generate(teacher, cond, neg, self._shape(), sampler="teacher", num_steps=steps,
+                               guidance_scale=self.config.dmd2.teacher_guidance_scale,
+                               shift=self.config.student.grid_shift, seed=self.config.train.seed, clamp=False,
+                               rows=rows)
+            samples[name] = latents.cpu() if kept else latents[:0].cpu()
+        return samples
 
     def teacher_samples(self) -> dict[str, Tensor]:
         """The teacher's own latents from the student's noise: "reference" at `[eval] reference_steps` (what
         `eval/latent_mse_teacher` measures against; the teacher's grid) and "baseline" at the student's step
-        count. Made at the first need with one load of the teacher, which is let go after, unless handed in
-        (`with_references`: made earlier in the run)."""
+        count. Made here at the first need unless handed in (`with_references`: made by the ranks' shares, or
+        earlier in the run)."""
         if self._teacher_samples is None:
-            # Loading initialises weights from the global RNG first: keep the caller's RNG untouched.
-            with torch.random.fork_rng(devices=[]):
-                model = self.family.load_model(self.config.model.teacher, teacher_dtype(self.config))
-            model = model.to(self.device).eval().requires_grad_(False)
-            teacher = HostCalls(in_run_precision(self.family.velocity(model), self.config, self.device.type),
-                                self.device)
-            steps = {"reference": self.config.eval.reference_steps, "baseline": self.config.student.num_steps}
-            self._teacher_samples = {name: self._teacher_latents(teacher, n).cpu() for name, n in steps.items()}
+            self._teacher_samples = self.teacher_share()
         return self._teacher_samples
+
+    def has_references(self) -> bool:
+        return self._teacher_samples is not None
 
     def references_id(self) -> str:
         """Names what `teacher_samples` depend on (the teacher, the prompts, the grids, the seed, the precision),
@@ -157,7 +185,12 @@ class SD3Evaluator:
 
     @torch.no_grad()
     def evaluate(self, student: VelocityFn) -> Evaluation:
-        scores, images = self._scores(self._student_latents(student))
+        return self.score(self.student_share(student))
+
+    @torch.no_grad()
+    def score(self, latents: Tensor) -> Evaluation:
+        """The scores and grid of the student's latents of every eval prompt (`student_share`s, in rank order)."""
+        scores, images = self._scores(latents)
         return Evaluation(scores, {"samples": image_grid(images)})
 
     @torch.no_grad()

@@ -62,6 +62,7 @@ def _refusal(error: Exception) -> ConfigError:
 class SD3Family(ModelFamily):
     name = "sd3"
     gate_metric = "eval/latent_mse_teacher"
+    splits_evaluation = True  # a many-step guided teacher at 1024 px: every rank samples a share
     report_columns = {"eval/latent_mse_teacher": "latent MSE vs teacher", "eval/clip_score": "CLIP score"}
     generate_example = ("a photo of a cat",)  # prompts
     generated_shape = (-1, -1, 3)  # [data] resolution, RGB

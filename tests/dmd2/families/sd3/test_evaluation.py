@@ -35,7 +35,7 @@ def test_scores_match_an_explicit_computation(sd3_dir, sd3_pipe, tmp_path):
     student = family.velocity(family.load_model(str(sd3_dir)))
     evaluation = evaluator.evaluate(student)
 
-    latents = evaluator._student_latents(student)
+    latents = evaluator.student_share(student)
     reference = evaluator.teacher_samples()["reference"]
     assert abs(evaluation.scores["eval/latent_mse_teacher"] - ((latents - reference) ** 2).mean().item()) < 1e-6
     vae = AutoencoderKL.from_pretrained(str(sd3_dir), subfolder="vae")
@@ -94,3 +94,28 @@ def test_the_teacher_is_loaded_once_per_run_and_not_at_all_given_the_stored_samp
     assert CountingSD3Family.loads == 1
     other = config.replace("eval", reference_steps=4)  # stored samples of another setting are never handed in
     assert SD3Evaluator.build(family, other).references_id() != first.references_id()
+
+
+def test_the_ranks_shares_of_an_evaluation_are_its_rows_sampled_whole(sd3_dir, sd3_pipe, tmp_path):
+    """Three eval prompts over two ranks (2 + 1) and over four (1 + 1 + 1, the fourth sampling a row it drops):
+    the shares, in rank order, are the latents of the evaluation sampled on one rank, the student's and the
+    teacher's alike (up to float noise: a matmul's rounding depends on the batch)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS))
+    config = config_from_dict({
+        "model": {"family": "sd3", "teacher": str(sd3_dir)}, "student": {"num_steps": 2},
+        "train": {"rollout_batch_size": 10}, "data": {"prompts": str(prompts), "resolution": 16},
+        "eval": {"reference_steps": 3, "prompts": PROMPTS},
+    })
+    family = SD3Family().bind({"prompts": encode_prompt_table(sd3_pipe, PROMPTS + PROMPTS, "")})
+    evaluator = SD3Evaluator.build(family, config)
+    student = family.velocity(family.load_model(str(sd3_dir)))
+    whole, teacher = evaluator.student_share(student), evaluator.teacher_share()
+    for world_size, sizes in ((2, [2, 1]), (4, [1, 1, 1, 0])):
+        shares = [evaluator.student_share(student, rank, world_size) for rank in range(world_size)]
+        assert [len(share) for share in shares] == sizes
+        torch.testing.assert_close(torch.cat(shares), whole, atol=1e-5, rtol=0)
+        teacher_shares = [evaluator.teacher_share(rank, world_size) for rank in range(world_size)]
+        for name in ("reference", "baseline"):
+            torch.testing.assert_close(torch.cat([share[name] for share in teacher_shares]), teacher[name],
+                                       atol=1e-5, rtol=0)
