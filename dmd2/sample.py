@@ -38,9 +38,10 @@ def generate(
     batch = next(iter(cond.values())).shape[0]
     generator = torch.Generator().manual_seed(seed)
     noise = torch.randn((batch, *sample_shape), generator=generator)
-    renoise = torch.randn((max(num_steps - 1, 0), batch, *sample_shape), generator=generator)
+    renoise = (torch.randn((max(num_steps - 1, 0), batch, *sample_shape), generator=generator)
+               if sampler == "student" else None)  # drawn for the whole batch, as the noise
     if rows is not None:
-        noise, renoise = noise[rows], renoise[:, rows]
+        noise, renoise = noise[rows], renoise[:, rows] if renoise is not None else None
         cond, neg_cond = cond_rows(cond, rows), cond_rows(neg_cond, rows)
     model = guided(model, guidance_scale, neg_cond)
     if sampler == "teacher":
