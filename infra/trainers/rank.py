@@ -346,7 +346,7 @@ class RankWorker:
         the model as the rank holds it (nothing gathered); else rank 0 samples with a whole copy. Rank 0 scores."""
         with self._in_use(), self._student_weights():
             if self.family.splits_evaluation:
-                evaluator = self._get_evaluator(run_id)
+                evaluator = on_every_rank(lambda: self._get_evaluator(run_id), self._objects)
                 self._share_references(evaluator)
                 velocity = HostCalls(self._velocity(self.module), self.device)
                 with _sampling(self.module):
@@ -372,8 +372,8 @@ class RankWorker:
 
     def reference_media(self, run_id: str) -> ArtifactRef | None:
         """The evaluator's pictures to show once beside the student's (e.g. the teacher's grid) -> the store."""
-        if self.family.splits_evaluation:
-            self._share_references(self._get_evaluator(run_id))
+        if self.family.splits_evaluation:  # a rank failing to build its evaluator fails them all, none waits
+            self._share_references(on_every_rank(lambda: self._get_evaluator(run_id), self._objects))
 
         def work() -> ArtifactRef | None:
             media = self._get_evaluator(run_id).reference_media()

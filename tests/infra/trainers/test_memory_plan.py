@@ -125,8 +125,8 @@ def test_each_stages_planned_peak_is_within_10_percent_of_the_measured_one(teach
 
 
 def test_the_planned_flops_count_every_critic_step_though_only_two_are_rehearsed(teacher):
-    """Every critic step trains on 4 samples (the rollout's 4 per step): 6 steps compute three times what 2 do."""
-    configs = [config(teacher, "ddp", steps, 4 * steps) for steps in (2, 6)]
+    """Every critic step trains on 2 samples (the rollout's 2 per step): 6 steps compute three times what 2 do."""
+    configs = [config(teacher, "ddp", steps, 2 * steps) for steps in (2, 6)]
     two, six = (plan_memory(family_for(each.model).plan_spec(each)) for each in configs)
     assert six.flops["critic-train"] == 3 * two.flops["critic-train"] > 0
 
