@@ -54,7 +54,9 @@ def validate(config: "DistillConfig") -> None:
     _check(train.mixed_precision in PRECISIONS,
            f"[train] mixed_precision must be one of {PRECISIONS}, got {train.mixed_precision!r}")
     _check(train.parallel in PARALLELISMS, f"[train] parallel must be one of {PARALLELISMS}, got {train.parallel!r}")
-    _check(train.parallel != "hsdp" or (train.shard_group_size >= 1 and train.world_size % train.shard_group_size == 0),
+    _check(train.shard_group_size >= 1, f"[train] shard_group_size must be >= 1 (a node's GPUs), got "
+                                        f"{train.shard_group_size}")
+    _check(train.parallel != "hsdp" or train.world_size % train.shard_group_size == 0,
            f"[train] world_size ({train.world_size}) must be a multiple of shard_group_size "
            f"({train.shard_group_size}) with parallel = \"hsdp\": set shard_group_size to the GPUs of one node")
     _check(train.sleep in SLEEPS, f"[train] sleep must be one of {SLEEPS}, got {train.sleep!r}")

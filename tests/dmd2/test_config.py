@@ -38,6 +38,9 @@ def test_a_valid_config_passes_and_derives_b_and_critic_lr():
     (dict(student=StudentConfig(ema_decay=1.0)), r"\[student\] ema_decay must be in \[0, 1\)"),
     (dict(student=StudentConfig(ema_decay=-0.1)), r"\[student\] ema_decay must be in \[0, 1\)"),
     (dict(train=TrainConfig(rollout_batch_size=40, keep_rollouts=-1)), r"\[train\] keep_rollouts must be >= 0"),
+    (dict(train=TrainConfig(rollout_batch_size=40, shard_group_size=0)), r"\[train\] shard_group_size must be >= 1"),
+    (dict(train=TrainConfig(rollout_batch_size=40, world_size=4, parallel="hsdp", shard_group_size=3)),
+     r"\[train\] world_size \(4\) must be a multiple of shard_group_size \(3\)"),
 ])
 def test_each_invalid_config_is_rejected_naming_the_option(sections, option):
     with pytest.raises(ConfigError, match=option):
