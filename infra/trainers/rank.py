@@ -398,7 +398,8 @@ class RankWorker:
         if self._evaluator is None:
             evaluator = self.family.evaluator(self.spec.config, Path(self.spec.cache_dir), self.device)
             self._references_key = f"{run_id}/eval/reference/{evaluator.references_id()}"
-            if (ref := self.store.find_json(f"{self._references_key}.json")) is not None:
+            # Rank 0 alone scores, so it alone reads them (the other ranks' shares are asked only without them).
+            if self.rank == 0 and (ref := self.store.find_json(f"{self._references_key}.json")) is not None:
                 try:
                     evaluator.with_references(self.store.get_tensors(ArtifactRef.from_dict(ref)))
                     self._references_kept = True
