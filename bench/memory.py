@@ -15,7 +15,8 @@ fragmentation: keep ~10% of a GPU for those). Measured per rank, for one layout 
               beside the critic's resident weights and optimizer state
     rollout   the student's forward without grad on B samples (one step of backward simulation)
 
-"ddp" is measured as one whole replica (DDP's buckets hold the gradients as views: the same bytes). Both
+"ddp" is measured as one whole replica, without DDP's gradient buckets (alive through the whole step, where
+autograd's gradients come and go: `dmd2 plan` counts them at world size > 1). Both
 groups are never awake at once (each sleeps after its stage), so a rank's peak is its largest row; the
 sleeping group's state is parked in host memory, reported per node. Not measured: the stage code itself
 (draws, losses, the GAN head), whose data-dependent steps fake tensors cannot run; the text encoders (they

@@ -14,10 +14,9 @@ critic's steps only the first and the last are rehearsed (`rehearsed_steps`: the
 memory); its FLOPs are scaled to every step.
 
 The optimizer state is made before the rollout (AdamW makes its moments at its first step): the plan is of a
-rollout in the middle of a run. DDP is planned as one unwrapped replica per rank. Not in the figures: DDP's
-gradient buckets (one model's gradients, alive while a DDP group is awake at world size > 1), the buffers of
-collectives still in flight (FSDP2's reduce-scatters: a real rank can hold up to ~20% more, BENCHMARKS.md), the
-CUDA context, NCCL's buffers and the allocator's fragmentation, for which a fit keeps `RESERVE` of each GPU free.
+rollout in the middle of a run. DDP at world size > 1 is planned as its memory (`DdpBuckets`: its reducer cannot
+run on fake tensors). Not in the figures: the CUDA context, NCCL's buffers and the allocator's fragmentation, for
+which a fit keeps `RESERVE` of each GPU free.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from dmd2.convert import samples_to_train_pairs
 from dmd2.family import RunSpec
 from dmd2.gan import tapped
 from dmd2.hooks import score
-from dmd2.memory import MemoryLedger, StagePeak
+from dmd2.memory import MemoryLedger, StagePeak, block_bytes
 from dmd2.plan import rollout_plan
 from dmd2.precision import teacher_dtype
 from dmd2.rollout import rollout_shard
@@ -51,6 +50,7 @@ from infra.trainers.offload import module_tensors, optimizer_tensors, sleeping_t
 from infra.trainers.parallel import mesh_shape
 
 STAGES = ("rollout", "convert", "critic-train", "score", "actor-train")
+ASLEEP = {"rollout": "critic", "convert": "critic", "critic-train": "actor", "score": "actor", "actor-train": "critic"}
 RESERVE = 0.10  # of each GPU, for what the figures leave out (see the module docstring)
 DEVICE = torch.device("cpu")  # fake storage on the CPU stands in for the GPU (fake CUDA fails inside FSDP2)
 Load = Callable[[str, "torch.dtype | None"], nn.Module]  # (model path, dtype) -> the model on DEVICE
@@ -97,31 +97,106 @@ class MemoryPlan:
                    data["parameters"], data["resident"], data["flops"])
 
 
+Wrap = Callable[[nn.Module], nn.Module]  # a replicated model -> what its optimizer steps run (DDP's wrapper)
+
+
+class DdpBuckets(nn.Module):
+    """What DDP's wrapper (`infra.trainers.parallel.ddp`) holds, without its collectives: one flat gradient buffer
+    per dtype of the trained parameters (its buckets), alive as long as the wrapper; as with
+    ``gradient_as_bucket_view``, each gradient autograd makes is copied into its view and replaced by it."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        trained = [param for param in module.parameters() if param.requires_grad]
+        self.buckets, self._views = [], {}
+        for dtype in dict.fromkeys(param.dtype for param in trained):
+            params = [param for param in trained if param.dtype == dtype]
+            self.buckets.append(torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device))
+            for param, view in zip(params, self.buckets[-1].split([p.numel() for p in params])):
+                self._views[param] = view.view_as(param)
+        self._hooks = [param.register_post_accumulate_grad_hook(self._into_bucket) for param in trained]
+
+    @staticmethod
+    def bytes_of(module: nn.Module) -> int:
+        """The buckets' bytes for ``module``: one gradient per trained parameter."""
+        return sum(block_bytes(p.numel() * p.element_size()) for p in module.parameters() if p.requires_grad)
+
+    def _into_bucket(self, param: nn.Parameter) -> None:
+        view = self._views[param]
+        if param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def remove(self) -> None:
+        """Drop the buckets and their hooks (the ranks' sleep drops DDP's wrapper)."""
+        for handle in self._hooks:
+            handle.remove()
+        self.buckets, self._views, self._hooks = [], {}, []
+
+
 @dataclass
 class GpuModels:
-    """What one GPU holds: rank i of each group (model, optimizer, EMA) and the critic's frozen teacher."""
+    """What one GPU holds: rank i of each group (model, optimizer, EMA) and the critic's frozen teacher; a group's
+    model is ``wrap``ped while it is awake, as a rank wraps a replicated model (DDP at world size > 1)."""
 
     spec: RunSpec
     actor: TrainState
     critic: TrainState
     teacher: nn.Module
     hooks: dict[str, Hooks]
+    wrap: Wrap | None = None
+
+    def module(self, role: str) -> nn.Module:
+        """The group's model unwrapped, which its forwards without grad run (the rollout, scoring)."""
+        model = getattr(self, role).model
+        return getattr(model, "module", model)
+
+    def sleep(self, role: str, parking: Parking) -> None:
+        """As the rank's sleep: gradients dropped, weights, optimizer state and EMA parked, the wrapper gone."""
+        state, module = getattr(self, role), self.module(role)
+        parking.park(role, sleeping_tensors(module, state))
+        if isinstance(state.model, DdpBuckets):
+            state.model.remove()
+        self._hold(state, module)
+
+    def wake(self, role: str, parking: Parking) -> None:
+        """As the rank's wake: what sleeps restored, the model wrapped anew."""
+        parking.unpark(role)
+        state = getattr(self, role)
+        self._hold(state, self.wrap(state.model) if self.wrap is not None else state.model)
+
+    def _hold(self, state: TrainState, model: nn.Module) -> None:
+        module = getattr(model, "module", model)
+        state.model = model
+        state.velocity = tapped(rank_velocity(self.spec.family, model, self.spec.config, DEVICE), module)
 
 
-def gpu_models(spec: RunSpec, load: Load, mesh=None) -> GpuModels:
-    """Both groups' rank on one GPU, loaded by ``load`` and held as the ranks hold them; ``spec.family`` must be
-    bound (`ModelFamily.bind`). Their optimizer state is made (`_with_optimizer_state`)."""
+def replicated(config) -> bool:
+    """Whether each rank holds a whole model whose gradients are averaged over ranks (DDP's wrapper)."""
+    return config.train.parallel not in SHARDED and config.train.world_size > 1
+
+
+def gpu_models(spec: RunSpec, load: Load, mesh=None, wrap: Wrap | None = None) -> GpuModels:
+    """Both groups' rank on one GPU, loaded by ``load`` and held as the ranks hold them, awake (``wrap``ped, if
+    given); ``spec.family`` must be bound (`ModelFamily.bind`). Their optimizer state is made
+    (`_with_optimizer_state`)."""
     config, family = spec.config, spec.family
     states, hooks, teacher = {}, {}, None
     for trainer in compute_trainer_configs(config, "checkpoints"):
         model = held_model(role_model(load(trainer.init, None), family, trainer, config), config, mesh)
         state = train_state(model, trainer.lr, config, family.velocity, trainer.ema_decay, trainer.steps_per_rollout)
-        state.velocity = tapped(rank_velocity(family, model, config, DEVICE), model)
         states[trainer.role] = _with_optimizer_state(state)
         hooks[trainer.role] = resolve_hooks(trainer.hooks, trainer.role)
         if trainer.teacher is not None:
             teacher = load(trainer.teacher, teacher_dtype(config)).eval().requires_grad_(False)
-    return GpuModels(spec, states["actor"], states["critic"], teacher, hooks)
+    gpu = GpuModels(spec, states["actor"], states["critic"], teacher, hooks, wrap)
+    for state in states.values():
+        gpu._hold(state, wrap(state.model) if wrap is not None else state.model)
+    return gpu
 
 
 def _with_optimizer_state(state: TrainState) -> TrainState:
@@ -178,16 +253,16 @@ def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], par
     config, family = spec.config, spec.family
     plan = rollout_plan(config, 0, spec.sample_shape)
     real = family.real_source(spec)
-    parking.park("critic", sleeping_tensors(gpu.critic.model, gpu.critic))
+    gpu.sleep("critic", parking)
     parking.park("teacher", module_tensors(gpu.teacher))
     with stage("rollout"):
-        samples = rollout_shard(rank_velocity(family, gpu.actor.model, config, DEVICE), spec.conds, plan, 0, DEVICE,
-                                lockstep=config.train.parallel in SHARDED)
+        student = rank_velocity(family, gpu.module("actor"), config, DEVICE)
+        samples = rollout_shard(student, spec.conds, plan, 0, DEVICE, lockstep=config.train.parallel in SHARDED)
     with stage("convert"):
         pairs = samples_to_train_pairs(samples, config.student.num_steps)
     del samples
-    parking.park("actor", sleeping_tensors(gpu.actor.model, gpu.actor))
-    parking.unpark("critic")
+    gpu.sleep("actor", parking)
+    gpu.wake("critic", parking)
     hooks, steps = _first_and_last(gpu.hooks["critic"], plan.critic_steps)
     with stage("critic-train"):
         _, kept = train_steps(gpu.critic, hooks, HookContext(plan, config.dmd2, 0, {}, real), pairs, steps)
@@ -195,11 +270,12 @@ def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], par
     parking.unpark("teacher")
     with stage("score"):
         scores = score(rank_velocity(family, gpu.teacher, config, DEVICE), kept, pairs,
-                       HookContext(plan, config.dmd2, 0, {}, real), gpu.critic.velocity)
+                       HookContext(plan, config.dmd2, 0, {}, real),
+                       tapped(rank_velocity(family, gpu.module("critic"), config, DEVICE), gpu.module("critic")))
     del kept
     parking.park("teacher", module_tensors(gpu.teacher))
-    parking.park("critic", sleeping_tensors(gpu.critic.model, gpu.critic))
-    parking.unpark("actor")
+    gpu.sleep("critic", parking)
+    gpu.wake("actor", parking)
     with stage("actor-train"):
         train_steps(gpu.actor, gpu.hooks["actor"], HookContext(plan, config.dmd2, 0, {"critic": scores}, real),
                     pairs, 1)
@@ -221,8 +297,8 @@ def plan_memory(spec: RunSpec) -> MemoryPlan:
                     model = family.model_on_meta(path, dtype)
                 return model.to_empty(device=DEVICE)
 
-            gpu = gpu_models(bound, load, mesh)
             ledger = MemoryLedger()
+            gpu = gpu_models(bound, load, mesh, _labelled_buckets(ledger) if replicated(config) else None)
             with ledger:
                 for state in (gpu.actor, gpu.critic):
                     ledger.label(state.model, "weights")
@@ -235,25 +311,36 @@ def plan_memory(spec: RunSpec) -> MemoryPlan:
     critic_steps = config.dmd2.critic_steps_per_rollout
     stages.flops["critic-train"] = stages.flops["critic-train"] * critic_steps // len(rehearsed_steps(critic_steps))
     parameters = sum(p.numel() for p in gpu.teacher.parameters())
-    return MemoryPlan(config.train.world_size, tuple(ledger.peaks), stages.most_parked, parameters, stages.resident,
+    # With nothing asleep (sleep = "never"), DDP's wrapper stays too: the asleep group's buckets are resident.
+    buckets = {role: DdpBuckets.bytes_of(gpu.module(role)) if replicated(config) else 0 for role in ("actor", "critic")}
+    resident = max(peak.peak + stages.parked[peak.stage] + buckets[ASLEEP[peak.stage]] for peak in ledger.peaks)
+    return MemoryPlan(config.train.world_size, tuple(ledger.peaks), max(stages.parked.values()), parameters, resident,
                       stages.flops)
 
 
+def _labelled_buckets(ledger: MemoryLedger) -> Wrap:
+    """`DdpBuckets`, their buffers counted as gradients."""
+    def wrap(module: nn.Module) -> DdpBuckets:
+        wrapped = DdpBuckets(module)
+        ledger.label(wrapped.buckets, "gradients")
+        return wrapped
+    return wrap
+
+
 class _Stages:
-    """What the ledger does not keep of each stage: the most bytes parked in host memory at any stage (groups
-    sleep and wake between stages, so what is parked is constant through one), the largest stage with them
-    resident too, and the FLOPs each stage computes (counted on the fake tensors: only their shapes matter)."""
+    """What the ledger does not keep of each stage: the bytes parked in host memory meanwhile (groups sleep and
+    wake between stages, so what is parked is constant through one), and the FLOPs it computes (counted on the
+    fake tensors: only their shapes matter)."""
 
     def __init__(self, ledger: MemoryLedger):
-        self.ledger, self.most_parked, self.resident, self.flops = ledger, 0, 0, {}
+        self.ledger, self.parked, self.flops = ledger, {}, {}
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
         parked, counter = self.ledger.parked, FlopCount()
         with self.ledger.stage(name), counter:
             yield
-        self.most_parked = max(self.most_parked, parked)
-        self.resident = max(self.resident, self.ledger.peaks[-1].peak + parked)
+        self.parked[name] = parked
         self.flops[name] = counter.total
 
 

@@ -4,10 +4,12 @@ different instrument from the plan's ledger; what sleeps is parked for real (`Ho
 its host copies are taken off the total, as they would not be on a GPU. The plan's FLOPs, counted on fake tensors,
 against the same counter over the real tensors' rehearsal."""
 
-import itertools
+import collections
+import json
 import socket
 import time
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +22,9 @@ from dmd2.config import config_from_dict
 from dmd2.families.digits.model import build_digits_unet
 from dmd2.family import family_for
 from infra.trainers.memory_plan import (CPU_ATTENTION_FLOPS, STAGES, FlopCount, Parking, gpu_models, plan_memory,
-                                       rehearse)
+                                       rehearse, replicated)
 from infra.trainers.offload import HostCopy, own_storage
+from infra.trainers.parallel import ddp, free_port
 
 TOLERANCE = 0.10
 
@@ -36,12 +39,13 @@ def teacher(tmp_path_factory) -> str:
     return str(path)
 
 
-def config(teacher: str, parallel: str, critic_steps: int = 2, batch: int = 64):
+def config(teacher: str, parallel: str, critic_steps: int = 2, batch: int = 64, world_size: int = 1):
     return config_from_dict({
         "model": {"teacher": teacher}, "student": {"num_steps": 2},
         "optim": {"lr": 1e-4, "critic_lr": 2e-4},
         "dmd2": {"critic_steps_per_rollout": critic_steps, "teacher_guidance_scale": 2.0},
-        "train": {"rollout_batch_size": batch, "world_size": 1, "rollouts": 2, "parallel": parallel},
+        "train": {"rollout_batch_size": batch, "world_size": world_size, "rollouts": 2,
+                  "parallel": parallel},
     })
 
 
@@ -75,15 +79,31 @@ def gloo_world_of_one():
 
 def allocations(prof) -> list[tuple[int, int]]:
     """(time in ns, bytes allocated since the profile began) after every allocation and free, in time order: the
-    running sum of the allocator's own records (what it allocated before the profile is not in it)."""
+    running sum of the allocator's own records (what it allocated before the profile is not in it), kept by
+    address. An address handed out again was freed before, whatever time its free was stamped with: a free made
+    in another thread (gloo's, at world size 2) is now and then stamped after the main thread has reused its
+    block, and a plain running sum would then count the block twice."""
     found, events = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while events:
         event = events.pop()
         if event.tag == _EventType.Allocation:
-            found.append((event.start_time_ns, event.extra_fields.alloc_size))
+            found.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
         events.extend(event.children)
-    found.sort()
-    return list(zip((at for at, _ in found), itertools.accumulate(size for _, size in found)))
+    live, late_frees, total, totals = {}, collections.Counter(), 0, []
+    for at, size, address in sorted(found):
+        if size > 0:
+            if address in live:  # its free is stamped later: count it freed now, and skip that record
+                total -= live[address]
+                late_frees[address] += 1
+            live[address] = size
+        elif late_frees[address]:
+            late_frees[address] -= 1
+            size = 0
+        else:
+            live.pop(address, None)
+        total += size
+        totals.append((at, total))
+    return totals
 
 
 def measured(spec) -> tuple[dict[str, int], dict[str, int]]:
@@ -102,7 +122,8 @@ def measured(spec) -> tuple[dict[str, int], dict[str, int]]:
         flops[name] = counter.get_total_flops()
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:  # before any model is made
-        gpu = gpu_models(spec, lambda path, dtype: own_storage(family.load_model(path, dtype)))
+        wrap = (lambda module: ddp(module, torch.device("cpu"))) if replicated(spec.config) else None  # DDP's own
+        gpu = gpu_models(spec, lambda path, dtype: own_storage(family.load_model(path, dtype)), wrap=wrap)
         rehearse(gpu, stage, parking)
     totals = allocations(prof)
     peaks = {}
@@ -122,6 +143,32 @@ def test_each_stages_planned_peak_is_within_10_percent_of_the_measured_one(teach
     for stage in plan.stages:
         assert abs(stage.peak - real[stage.stage]) <= TOLERANCE * real[stage.stage], (stage, real)
     assert plan.flops == real_flops and real_flops["critic-train"] > real_flops["actor-train"] > 0
+
+
+def _measure_rank(rank: int, port: int, teacher: str, parallel: str, out: str) -> None:
+    """One of two gloo ranks, in its own process: its stages' peaks, written to ``out``-<rank>.json."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        run = config(teacher, parallel, world_size=2)
+        peaks, _ = measured(family_for(run.model).plan_spec(run))
+        Path(f"{out}-{rank}.json").write_text(json.dumps(peaks))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_at_world_size_2_each_stages_planned_peak_is_within_10_percent_of_each_ranks(teacher, parallel, tmp_path):
+    """The plan of one GPU of two (a fake process group) against two real gloo ranks, each in its own process."""
+    run = config(teacher, parallel, world_size=2)
+    plan = plan_memory(family_for(run.model).plan_spec(run))
+    out = str(tmp_path / "peaks")
+    torch.multiprocessing.start_processes(_measure_rank, (free_port(), teacher, parallel, out), nprocs=2,
+                                          start_method="spawn")
+    for rank in range(2):
+        real = json.loads(Path(f"{out}-{rank}.json").read_text())
+        for stage in plan.stages:
+            assert abs(stage.peak - real[stage.stage]) <= TOLERANCE * real[stage.stage], (rank, stage, real)
 
 
 def test_the_planned_flops_count_every_critic_step_though_only_two_are_rehearsed(teacher):
