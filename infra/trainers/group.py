@@ -24,7 +24,8 @@ from dmd2.failures import RunError
 from dmd2.family import RunSpec
 from infra.trainers.cluster import RankResources
 from infra.trainers.hooks import resolve_hooks
-from infra.trainers.rank import EvalResult, RankWorker, TrainResult
+from infra.trainers.rank import RankWorker, TrainResult
+from infra.trainers.student_outputs import EvalResult
 from infra.store import ArtifactRef, ArtifactStore
 from infra.tracking.system import SystemMetrics
 from infra.trainers.configs import TrainerConfig
@@ -78,8 +79,8 @@ def _forwarded(name: str):
 
 def _with_rank_worker_methods(cls: type) -> type:
     """``cls`` with every public `RankWorker` method but `shutdown` forwarded to the worker of the role given first."""
-    for name, attribute in vars(RankWorker).items():
-        if callable(attribute) and not name.startswith("_") and name != "shutdown":
+    for name in dir(RankWorker):  # its own and `StudentOutputs`'
+        if callable(getattr(RankWorker, name)) and not name.startswith("_") and name != "shutdown":
             setattr(cls, name, _forwarded(name))
     return cls
 
