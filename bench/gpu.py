@@ -371,7 +371,7 @@ def run_modes(args: argparse.Namespace, teacher: Path, prompts: Path, store: Art
         spec = dataclasses.replace(family.run_spec(config, cache), prepared=prepared)
         if not result:
             result, flops = flop_figures(args, config, spec.sample_shape, teacher,
-                                         load_prepared(store, prepared)["prompts"])
+                                         load_prepared(store, prepared, cache)["prompts"])
         runs[parallel] = measure(spec, store, args, flops, use, peak)
         write(result | {"runs": runs})
     return result | {"runs": runs}

@@ -120,7 +120,8 @@ class RankWorker(StudentOutputs):
         # Checkpoint metadata travels between ranks as Python objects: on a CPU group, whatever the backend.
         self._objects = dist.new_group(backend="gloo") if backend == "nccl" else None
         # The family holding its prepared inputs (e.g. the prompt table): every model call goes through it.
-        self.family = family = self.spec.family.bind(load_prepared(self.store, self.spec.prepared), self.device)
+        prepared = load_prepared(self.store, self.spec.prepared, self.spec.cache_dir)
+        self.family = family = self.spec.family.bind(prepared, self.device)
         self.real = family.real_source(self.spec)  # the GAN's real samples: the driver's, or the prepared ones
         config = self.spec.config
         init, trainer = self.trainer.init, self.trainer

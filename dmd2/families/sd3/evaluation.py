@@ -13,6 +13,8 @@ run (`references`, `with_references`), so a run samples the teacher's many-step 
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +28,7 @@ from dmd2.families.sd3.prompts import read_prompts
 from dmd2.model import HostCalls, VelocityFn
 from dmd2.precision import in_run_precision, teacher_dtype
 from dmd2.sample import generate
+
 
 def image_grid(images: Tensor, border: int = 2) -> np.ndarray:
     """Images [N, 3, H, W] in [-1, 1] side by side as one uint8 picture [H + 2b, N (W + b) + b, 3]."""
@@ -44,8 +47,9 @@ def _features(output) -> Tensor:
 
 @dataclass
 class SD3Evaluator:
-    """Runs on the evaluating rank's ``device``: the teacher, the VAE and CLIP are moved there (the teacher in
-    its training dtype, `[train] mixed_precision`), and the samplers' small host tensors go to them per call."""
+    """Runs on the evaluating rank's ``device``: the teacher, the VAE and CLIP are moved there while they work (the
+    teacher in its training dtype, `[train] mixed_precision`), and the samplers' small host tensors go to them per
+    call."""
 
     family: "object"  # the bound SD3Family (its table holds the eval prompts after the training prompts)
     config: DistillConfig
@@ -151,10 +155,10 @@ class SD3Evaluator:
             from diffusers import AutoencoderKL
 
             self._vae = AutoencoderKL.from_pretrained(self.config.model.teacher, subfolder="vae",
-                                                      low_cpu_mem_usage=False, use_safetensors=True)
-            self._vae = self._vae.to(self.device).eval()
-        vae, latents = self._vae, latents.to(self.device)
-        return vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0].cpu()
+                                                      low_cpu_mem_usage=False, use_safetensors=True).eval()
+        with self._on_device(self._vae) as vae:
+            latents = latents.to(self.device) / vae.config.scaling_factor + vae.config.shift_factor
+            return vae.decode(latents, return_dict=False)[0].cpu()
 
     @torch.no_grad()
     def clip_score(self, images: Tensor) -> float:
@@ -163,18 +167,29 @@ class SD3Evaluator:
 
         if self._clip is None:
             path = self.config.eval.clip_model
-            self._clip = (CLIPModel.from_pretrained(path, use_safetensors=True).to(self.device).eval(),
+            self._clip = (CLIPModel.from_pretrained(path, use_safetensors=True).eval(),
                           AutoTokenizer.from_pretrained(path))
         model, tokenizer = self._clip
         size = model.config.vision_config.image_size
         pixels = torch.nn.functional.interpolate((images.clamp(-1, 1) + 1) / 2, size=(size, size), mode="bicubic")
         mean = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)  # CLIP's preprocessing
         std = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
-        image = _features(model.get_image_features(pixel_values=((pixels - mean) / std).to(self.device)))
         tokens = tokenizer(self.prompts, padding=True, truncation=True, return_tensors="pt").to(self.device)
-        text = _features(model.get_text_features(**tokens))
+        with self._on_device(model):
+            image = _features(model.get_image_features(pixel_values=((pixels - mean) / std).to(self.device)))
+            text = _features(model.get_text_features(**tokens))
         cosine = torch.nn.functional.cosine_similarity(image, text)
         return (100 * cosine).clamp(min=0).mean().item()
+
+    @contextmanager
+    def _on_device(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """``model`` on the evaluating device for the block, in host memory between evaluations: the device is
+        training's then (`dmd2 plan` counts nothing of the evaluator in the rollout's stages)."""
+        model.to(self.device)
+        try:
+            yield model
+        finally:
+            model.to("cpu")
 
     def _scores(self, latents: Tensor) -> tuple[dict[str, float], Tensor]:
         images = self.decode(latents)

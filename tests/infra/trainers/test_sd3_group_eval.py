@@ -53,7 +53,7 @@ def test_a_world_size_2_group_splits_sd3_evaluation_between_its_ranks(shared_ray
         groups.shutdown()
     # Each rank ran the student on its one prompt, at each of the student's 4 steps; none sampled both.
     assert batches == [[1] * 4, [1] * 4]
-    bound = family.bind(load_prepared(store, prepared))
+    bound = family.bind(load_prepared(store, prepared, tmp_path / "cache"))
     student = bound.load_model(str(teacher))
     student.load_state_dict(store.get_tensors(weights))
     whole = SD3Evaluator.build(bound, config).evaluate(HostCalls(bound.velocity(student.eval()), student.device))
