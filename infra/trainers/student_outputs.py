@@ -136,7 +136,7 @@ class StudentOutputs:
 
     def export(self, run_id: str, step: int, card: dict[str, Any]) -> ArtifactRef:
         """The family's export of the student (e.g. a diffusers directory) -> ``<run_id>/student/<step>``."""
-        with self._in_use(), self._student_weights(), self._unsharded() as student:
+        with self._in_use(), self._student_weights(), self._unsharded(on_device=False) as student:
             def work() -> ArtifactRef:
                 if problem := non_finite(student.state_dict().items()):
                     raise NonFiniteError(f"the student of step {step} was not exported: {problem}")
@@ -164,11 +164,14 @@ class StudentOutputs:
         return self.state.ema.applied() if self.state.ema is not None else nullcontext()
 
     @contextmanager
-    def _unsharded(self):
-        """Rank 0's whole student (None on other ranks): the module itself under DDP; under FSDP a copy
-        gathered from every rank's shards (a collective: every rank enters)."""
+    def _unsharded(self, on_device: bool = True):
+        """Rank 0's whole student (None on other ranks): the module itself under DDP; under FSDP a copy gathered
+        from every rank's shards (a collective: every rank enters), on rank 0's device, or ``on_device=False`` in
+        its host memory (export writes files: a whole copy on the GPU beside its shards would only risk a run's
+        last step running out of memory)."""
         if not self.sharded:
             yield self.module if self.rank == 0 else None
             return
         state = full_state_dict(self.module)
-        yield unsharded_copy(self.module, state).to(self.device) if self.rank == 0 else None
+        copy = unsharded_copy(self.module, state) if self.rank == 0 else None
+        yield copy.to(self.device) if copy is not None and on_device else copy
