@@ -15,8 +15,8 @@ memory); its FLOPs are scaled to every step.
 
 The optimizer state is made before the rollout (AdamW makes its moments at its first step): the plan is of a
 rollout in the middle of a run. DDP at world size > 1 is planned as its memory (`DdpBuckets`: its reducer cannot
-run on fake tensors). Not in the figures: the CUDA context, NCCL's buffers and the allocator's fragmentation, for
-which a fit keeps `RESERVE` of each GPU free.
+run on fake tensors), and under FSDP2 the block it gathers ahead (`gathered_ahead`). Not in the figures: the CUDA
+context, NCCL's buffers and the allocator's fragmentation, for which a fit keeps `RESERVE` of each GPU free.
 """
 
 from __future__ import annotations
@@ -47,10 +47,12 @@ from infra.trainers.configs import compute_trainer_configs
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.models import held_model, rank_velocity, role_model
 from infra.trainers.offload import module_tensors, optimizer_tensors, sleeping_tensors
-from infra.trainers.parallel import mesh_shape
+from infra.trainers.parallel import mesh_shape, shard_units
 
 STAGES = ("rollout", "convert", "critic-train", "score", "actor-train")
 ASLEEP = {"rollout": "critic", "convert": "critic", "critic-train": "actor", "score": "actor", "actor-train": "critic"}
+COMPUTING = {"rollout": ("actor",), "convert": (), "critic-train": ("critic",), "score": ("critic", "teacher"),
+             "actor-train": ("actor",)}  # whose forwards each stage runs
 RESERVE = 0.10  # of each GPU, for what the figures leave out (see the module docstring)
 DEVICE = torch.device("cpu")  # fake storage on the CPU stands in for the GPU (fake CUDA fails inside FSDP2)
 Load = Callable[[str, "torch.dtype | None"], nn.Module]  # (model path, dtype) -> the model on DEVICE
@@ -311,11 +313,32 @@ def plan_memory(spec: RunSpec) -> MemoryPlan:
     critic_steps = config.dmd2.critic_steps_per_rollout
     stages.flops["critic-train"] = stages.flops["critic-train"] * critic_steps // len(rehearsed_steps(critic_steps))
     parameters = sum(p.numel() for p in gpu.teacher.parameters())
+    peaks = ledger.peaks
+    if config.train.parallel in SHARDED:
+        gathers = {role: gathered_ahead(gpu.module(role), torch.bfloat16 if config.train.mixed_precision == "bf16"
+                                        else None) for role in ("actor", "critic")} | {"teacher": 0}  # whole
+        peaks = [_with_temporaries(peak, max((gathers[name] for name in COMPUTING[peak.stage]), default=0))
+                 for peak in peaks]
     # With nothing asleep (sleep = "never"), DDP's wrapper stays too: the asleep group's buckets are resident.
     buckets = {role: DdpBuckets.bytes_of(gpu.module(role)) if replicated(config) else 0 for role in ("actor", "critic")}
-    resident = max(peak.peak + stages.parked[peak.stage] + buckets[ASLEEP[peak.stage]] for peak in ledger.peaks)
-    return MemoryPlan(config.train.world_size, tuple(ledger.peaks), max(stages.parked.values()), parameters, resident,
+    resident = max(peak.peak + stages.parked[peak.stage] + buckets[ASLEEP[peak.stage]] for peak in peaks)
+    return MemoryPlan(config.train.world_size, tuple(peaks), max(stages.parked.values()), parameters, resident,
                       stages.flops)
+
+
+def gathered_ahead(model: nn.Module, dtype: torch.dtype | None) -> int:
+    """The bytes of ``model``'s largest FSDP2 block gathered whole, in ``dtype`` (None: its own). On a GPU FSDP2
+    gathers the next block while one computes (its all-gathers run on their own stream, and backward prefetches
+    the block before), so a stage holds one more block's weights than a rehearsal whose collectives finish at
+    once (a fake process group's)."""
+    return max((block_bytes(sum(p.numel() * (dtype.itemsize if dtype and p.is_floating_point() else p.element_size())
+                                for p in unit.parameters())) for unit in shard_units(model)), default=0)
+
+
+def _with_temporaries(peak: StagePeak, extra: int) -> StagePeak:
+    by_category = dict(peak.by_category)
+    by_category["temporaries"] = by_category.get("temporaries", 0) + extra
+    return StagePeak(peak.stage, peak.peak + extra, by_category)
 
 
 def _labelled_buckets(ledger: MemoryLedger) -> Wrap:

@@ -79,29 +79,35 @@ def gloo_world_of_one():
 
 def allocations(prof) -> list[tuple[int, int]]:
     """(time in ns, bytes allocated since the profile began) after every allocation and free, in time order: the
-    running sum of the allocator's own records (what it allocated before the profile is not in it), kept by
-    address. An address handed out again was freed before, whatever time its free was stamped with: a free made
-    in another thread (gloo's, at world size 2) is now and then stamped after the main thread has reused its
-    block, and a plain running sum would then count the block twice."""
+    running sum of the allocator's own records (what it allocated before the profile is not in it) of what the
+    rank's own thread allocates (it makes the profile's first allocation: its models), kept by address.
+
+    Other threads' blocks are gloo's own scratch buffers (its workers copy a collective's data through them),
+    the CPU's stand-in for NCCL's buffers, which the plan leaves out as well; a rank's blocks they free (the
+    last reference to a collective's input) still count as freed. An address handed out again was freed
+    before, whatever time its free was stamped with: a free made in another thread is now and then stamped
+    after the rank's thread has reused its block, and a plain running sum would then count the block twice."""
     found, events = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while events:
         event = events.pop()
         if event.tag == _EventType.Allocation:
-            found.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
+            found.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr,
+                          event.start_tid))
         events.extend(event.children)
-    live, late_frees, total, totals = {}, collections.Counter(), 0, []
-    for at, size, address in sorted(found):
+    found.sort()
+    rank_thread = next(tid for _, size, _, tid in found if size > 0)
+    live, late_frees, total, totals = {}, collections.Counter(), 0, []  # live: address -> bytes counted
+    for at, size, address, tid in found:
         if size > 0:
             if address in live:  # its free is stamped later: count it freed now, and skip that record
-                total -= live[address]
                 late_frees[address] += 1
-            live[address] = size
+                total -= live.pop(address)
+            live[address] = size if tid == rank_thread else 0
+            total += live[address]
         elif late_frees[address]:
             late_frees[address] -= 1
-            size = 0
         else:
-            live.pop(address, None)
-        total += size
+            total -= live.pop(address, 0)
         totals.append((at, total))
     return totals
 
