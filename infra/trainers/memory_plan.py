@@ -47,7 +47,7 @@ from infra.trainers.configs import compute_trainer_configs
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.models import held_model, rank_velocity, role_model
 from infra.trainers.offload import module_tensors, optimizer_tensors, sleeping_tensors
-from infra.trainers.parallel import mesh_shape, shard_units
+from infra.trainers.parallel import mesh_shape
 
 STAGES = ("rollout", "convert", "critic-train", "score", "actor-train")
 ASLEEP = {"rollout": "critic", "convert": "critic", "critic-train": "actor", "score": "actor", "actor-train": "critic"}
@@ -332,7 +332,14 @@ def gathered_ahead(model: nn.Module, dtype: torch.dtype | None) -> int:
     the block before), so a stage holds one more block's weights than a rehearsal whose collectives finish at
     once (a fake process group's)."""
     return max((block_bytes(sum(p.numel() * (dtype.itemsize if dtype and p.is_floating_point() else p.element_size())
-                                for p in unit.parameters())) for unit in shard_units(model)), default=0)
+                                for p in unit.parameters())) for unit in _blocks(model)), default=0)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one below the root (`fully_shard` made them `FSDPModule`s)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule) and module is not model]
 
 
 def _with_temporaries(peak: StagePeak, extra: int) -> StagePeak:
