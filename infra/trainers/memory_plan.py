@@ -29,8 +29,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop, shape_wrapper
 
 from dmd2.config import TrainConfig
 from dmd2.config_rules import SHARDED
@@ -47,7 +45,8 @@ from infra.trainers.configs import compute_trainer_configs
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.models import held_model, rank_velocity, role_model
 from infra.trainers.offload import module_tensors, optimizer_tensors, sleeping_tensors
-from infra.trainers.parallel import mesh_shape
+from infra.trainers.flops import FlopCount
+from infra.trainers.parallel import mesh_shape, replicated
 
 STAGES = ("rollout", "convert", "critic-train", "score", "actor-train")
 ASLEEP = {"rollout": "critic", "convert": "critic", "critic-train": "actor", "score": "actor", "actor-train": "critic"}
@@ -175,11 +174,6 @@ class GpuModels:
         module = getattr(model, "module", model)
         state.model = model
         state.velocity = tapped(rank_velocity(self.spec.family, model, self.spec.config, DEVICE), module)
-
-
-def replicated(config) -> bool:
-    """Whether each rank holds a whole model whose gradients are averaged over ranks (DDP's wrapper)."""
-    return config.train.parallel not in SHARDED and config.train.world_size > 1
 
 
 def gpu_models(spec: RunSpec, load: Load, mesh=None, wrap: Wrap | None = None) -> GpuModels:
@@ -372,33 +366,6 @@ class _Stages:
             yield
         self.parked[name] = parked
         self.flops[name] = counter.total
-
-
-# The plan runs on CPU, where attention is a kernel torch's formulas do not name: count it as the GPU's flash
-# attention, whose arguments it shares (query, key, value first; the backward's gradient before them). The
-# formulas over shapes, as `FlopCounterMode(custom_mapping=...)` takes them.
-CPU_ATTENTION_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop.__wrapped__,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop.__wrapped__,
-}
-FLOP_FORMULAS = {**flop_registry, **{op: shape_wrapper(formula) for op, formula in CPU_ATTENTION_FLOPS.items()}}
-
-
-class FlopCount(TorchDispatchMode):
-    """The FLOPs of every operator run while it is entered, by torch's own formulas (`FLOP_FORMULAS`: those of
-    `FlopCounterMode`, whose per-module tracking is left out: its backward hooks keep recomputed activations
-    alive, and the ledger would count them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if (formula := FLOP_FORMULAS.get(func._overloadpacket)) is not None:
-            self.total += formula(*args, **kwargs, out_val=out)
-        return out
 
 
 @contextmanager

@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from dmd2.config import TrainConfig
+from dmd2.config import DistillConfig, TrainConfig
+from dmd2.config_rules import SHARDED
 from dmd2.lora import add_adapters_like, has_adapters
 
 
@@ -66,6 +67,11 @@ def ddp(model: nn.Module, device: torch.device) -> nn.Module:
     # Gradients as views into the buckets: one model's worth of gradient memory instead of two.
     return nn.parallel.DistributedDataParallel(model, device_ids=ids, init_sync=False, forward_sync_buffers=False,
                                                gradient_as_bucket_view=True)
+
+
+def replicated(config: DistillConfig) -> bool:
+    """Whether each rank holds a whole model whose gradients are averaged over ranks (DDP's wrapper, `ddp`)."""
+    return config.train.parallel not in SHARDED and config.train.world_size > 1
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:

@@ -37,7 +37,7 @@ from infra.trainers.collective import gather_rows, on_every_rank, on_rank0
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.models import held_model, rank_velocity, role_model, sharded_from_rank0
 from infra.trainers.offload import HostCopy, module_tensors, own_storage, sleeping_tensors
-from infra.trainers.parallel import ddp, free_port, rank_device
+from infra.trainers.parallel import ddp, free_port, rank_device, replicated
 from infra.trainers.payloads import get_record, put_record
 from infra.trainers.prepare import load_prepared
 from infra.store import ArtifactRef, ArtifactStore
@@ -153,8 +153,7 @@ class RankWorker(StudentOutputs):
     def _wrap(self) -> None:
         """The trained model as the optimizer steps see it: DDP's wrapper (built anew, see `infra.trainers.parallel`)
         at world size > 1, else the module itself (sharded, or alone: nothing to average)."""
-        replicated = not self.sharded and self.world_size > 1
-        self.state.model = ddp(self._module, self.device) if replicated else self._module
+        self.state.model = ddp(self._module, self.device) if replicated(self.spec.config) else self._module
         self.state.velocity = tapped(self._velocity(self.state.model), self.module)  # the GAN's logits, if a head
 
     @property

@@ -21,10 +21,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from dmd2.config import config_from_dict
 from dmd2.families.digits.model import build_digits_unet
 from dmd2.family import family_for
-from infra.trainers.memory_plan import (CPU_ATTENTION_FLOPS, STAGES, FlopCount, Parking, gpu_models, plan_memory,
-                                       rehearse, replicated)
+from infra.trainers.flops import CPU_ATTENTION_FLOPS, FlopCount
+from infra.trainers.memory_plan import STAGES, Parking, gpu_models, plan_memory, rehearse
 from infra.trainers.offload import HostCopy, own_storage
-from infra.trainers.parallel import ddp, free_port
+from infra.trainers.parallel import ddp, free_port, replicated
 
 TOLERANCE = 0.10
 
