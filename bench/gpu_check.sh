@@ -1,53 +1,39 @@
 #!/usr/bin/env bash
-# The GPU checks in one go: bench/gpu.py at full size (SD3.5 Medium MMDiT, 1024 px, bf16; DDP and FSDP,
-# world size 1) and the tests marked gpu. Everything lands in $OUT (default out/gpu-check):
-#   gpu.txt  the printed table     gpu.json  its figures (written after each mode: DDP's survive a cut)
-#   gpu.log  the run's stderr (Ray, ranks)     pytest.txt  the gpu tests     summary.txt  timings, nvidia-smi
-# About 5 to 7 minutes on one H200 once Python is ready; each part has its own time limit, so one that
-# hangs leaves the others' results, and the whole stays inside a device call's 10 minutes.
+# The GPU check in one device call: bench/gpu.py (a DMD2 rollout's stages in one process, full-size SD3.5 Medium
+# MMDiT at 1024 px, bf16, four variants: sleep, no-sleep, compile, no-checkpointing) and the tests marked gpu.
 #
-# Python, one of:
-#   - default: the Makefile's own install (.venv from requirements.lock, CUDA torch; ~3 min the first time;
-#     needs PyPI);
-#   - WHEELS=DIR: no network (this workplace's device machines): the machine's python3, which holds a CUDA
-#     torch, plus the wheels in DIR installed offline into /tmp/site. Fetch them on a machine with PyPI:
-#         bash bench/gpu_check.sh --fetch-wheels     # -> .whl/part1 and .whl/part2, each under 60 MiB
-#     Ray's wheel alone (79 MB) is over the 64 MiB a device call carries, so it takes two calls back to back
-#     (the machine stays warm 30 s between them; /tmp survives, the repo's ignored paths too):
-#         run(carry=[".whl/part1"], command="mkdir -p /tmp/wheels && cp .whl/part1/* /tmp/wheels/")
-#         run(carry=[".whl/part2"], command="cp .whl/part2/* /tmp/wheels/ && WHEELS=/tmp/wheels bash bench/gpu_check.sh")
-#   - PY=python: that interpreter, as it is.
+#   bash bench/gpu_check.sh [bench/gpu.py options]        results in $OUT (default out/gpu-check):
+#     summary.txt  each step's exit status and seconds, the device    gpu.txt  the table    gpu.log  progress
+#     gpu.json     every figure, rewritten after each stage (a cut run keeps what it measured)
+#     pytest.txt   the gpu tests
+#
+# The one call, from this workplace (no network on the device; its python3 holds torch 2.11 CUDA, transformers,
+# safetensors, huggingface_hub, numpy, pytest, but no diffusers, Ray, Prefect, MLflow or boto3, none of which the
+# check imports). What is carried: the diffusers wheel alone (~4 MiB; `bash bench/gpu_check.sh --fetch-wheels`
+# puts it in .whl/, which git ignores), installed with --no-deps into /tmp/site:
+#     bash bench/gpu_check.sh --fetch-wheels
+#     run(carry=[".whl"], timeout_s=540, command="OUT=$OUT WHEELS=.whl bash bench/gpu_check.sh")
+# Time limits: the check 390 s, the gpu tests 120 s, so the whole stays inside a 10-minute call with room for
+# the wheel's install (~5 s) and the start; each part's output lands in $OUT as it is made.
+#
+# WORKDIR (default /tmp/dmd2-gpu) keeps the built pipeline for a rerun. On this CPU machine (no CUDA: bench/gpu.py
+# takes the tiny shape), `PY=.venv/bin/python bash bench/gpu_check.sh --variants sleep no-sleep --rollouts 1` takes
+# about 17 s: python ready at once, the check ~11 s (the bf16 product, building the tiny pipeline ~1 s, per variant
+# the plan ~2 s, one warm-up and one timed rollout), the gpu tests ~6 s (all skipped without CUDA: collecting them
+# proves they import without the servers' packages). tests/bench/test_gpu_bench.py runs exactly that.
+#
+# Every Python step runs through tests/bench/absent_packages.py, which makes Ray, Prefect, MLflow, boto3, moto,
+# botocore and s3fs absent: on the device they are, and here the same run proves nothing needs them.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-
-# Pinned as requirements.lock pins them: what the device image (KINDS.md's package list) lacks of the bench's
-# and the gpu tests' imports, or holds at versions these pins refuse (transformers 5.17 there; s3fs pins
-# fsspec exactly); its huggingface_hub (1.33) suits these diffusers and transformers.
-WHEEL_PACKAGES="ray diffusers transformers regex importlib_metadata fsspec s3fs aiobotocore aiohttp botocore aioitertools
-jmespath jsonschema jsonschema-specifications referencing rpds-py"
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
     set -e
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude  # carried, never committed
-    rm -rf .whl && mkdir -p .whl/all .whl/part1 .whl/part2
+    rm -rf .whl && mkdir -p .whl
     pip=$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )
-    for name in $WHEEL_PACKAGES; do
-        pin=$(grep -i "^${name}==" requirements.lock)
-        "$pip" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-            -d .whl/all "$pin"
-    done
-    ray=$(ls .whl/all/ray-*.whl)
-    split -b 40M "$ray" ".whl/all/$(basename "$ray").piece-" && rm "$ray"
-    for file in $(ls -S .whl/all/*); do  # largest first, each into the lighter part
-        if [ "$(du -sb .whl/part1 | cut -f1)" -le "$(du -sb .whl/part2 | cut -f1)" ]; then
-            mv "$file" .whl/part1/
-        else
-            mv "$file" .whl/part2/
-        fi
-    done
-    rmdir .whl/all
-    du -sh .whl/part1 .whl/part2
+    "$pip" -m pip download --quiet --no-deps --only-binary=:all: -d .whl "$(grep -i '^diffusers==' requirements.lock)"
+    du -sh .whl/*
     exit 0
 fi
 
@@ -55,36 +41,26 @@ OUT=${OUT:-out/gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 started=$(date +%s)
+note() { echo "$1 after $(( $(date +%s) - started )) s" | tee -a "$OUT/summary.txt"; }
+: > "$OUT/summary.txt"
 
-if [ -n "${PY:-}" ]; then
-    :
-elif [ -n "${WHEELS:-}" ]; then
-    for first in "$WHEELS"/*.piece-aa; do  # a wheel carried in pieces: put it back together
-        [ -e "$first" ] && cat "${first%aa}"* > "${first%.piece-aa}" && rm "${first%aa}"*
-    done
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "$WHEELS"/*.whl || exit 1
-    export PYTHONPATH="/tmp/site:$PWD"  # the repository itself is not installed: import it from here
-    PY=python3
-else
-    make .venv/.installed-stamp || exit 1
-    PY=.venv/bin/python
+if [ -n "${WHEELS:-}" ]; then
+    PY=${PY:-python3}
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl \
+        || { note "installing $WHEELS failed"; exit 1; }
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-echo "python ready after $(( $(date +%s) - started )) s: $PY" | tee "$OUT/summary.txt"
-nvidia-smi >> "$OUT/summary.txt" 2>&1
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'torch sees no GPU'; print(torch.__version__, torch.cuda.get_device_name(0))" \
-    2>&1 | tee -a "$OUT/summary.txt" || exit 1
+PY=${PY:-python3}
+WITHOUT_SERVERS="$PY tests/bench/absent_packages.py"
+note "python ready: $PY"
+"$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available()
+else 'no CUDA: the tiny shape on CPU')" 2>&1 | tee -a "$OUT/summary.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/summary.txt" 2>/dev/null
 
-timeout 300 "$PY" -m bench.gpu --parallel ddp fsdp --workdir /tmp/dmd2-gpu --json "$OUT/gpu.json" \
+timeout 390 $WITHOUT_SERVERS bench/gpu.py --workdir "${WORKDIR:-/tmp/dmd2-gpu}" --json "$OUT/gpu.json" "$@" \
     2> "$OUT/gpu.log" | tee "$OUT/gpu.txt"
-status=$?
-echo "bench: exit $status after $(( $(date +%s) - started )) s" | tee -a "$OUT/summary.txt"
-if [ "$status" -eq 124 ]; then  # cut short, it leaves Ray's processes and its ranks' GPU memory behind
-    "$PY" -m ray.scripts.scripts stop --force > /dev/null 2>&1
-fi
+note "bench/gpu.py: exit $?"
 
-# Only the modules that hold gpu tests: the others import servers' clients (prefect, mlflow) a bare image lacks.
-tests="tests/bench tests/dmd2/test_on_device.py"
-"$PY" -c "import moto, boto3" 2> /dev/null && tests="$tests tests/infra/trainers/test_group.py"
-timeout 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider $tests 2>&1 | tee "$OUT/pytest.txt"
-echo "gpu tests: exit $? after $(( $(date +%s) - started )) s" | tee -a "$OUT/summary.txt"
+timeout 120 $WITHOUT_SERVERS -m pytest -m gpu -q -p no:cacheprovider tests/bench/test_gpu_bench.py \
+    tests/dmd2/test_on_device.py 2>&1 | tee "$OUT/pytest.txt"
+note "gpu tests: exit $?"

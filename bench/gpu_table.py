@@ -1,86 +1,77 @@
-"""The table bench/gpu.py prints: its head (command, device, shape, recipe, FLOPs) and one column of
-figures per parallel mode."""
+"""The table bench/gpu.py prints: its head (command, device, shape, the peaks the MFU is read against) and, per
+variant, one row per stage of a rollout (means over the timed rollouts) and one for the whole rollout."""
 
-import torch
+import statistics
 
 GiB = 2**30
-
-# (label, where in a mode's figures, kind): "s" seconds, "rate", "tflops", "mfu", "bytes", "text".
-ROWS = [
-    ("s / rollout, with sleep", ("sleep", "seconds_per_rollout"), "s"),
-    ("s / rollout, no sleep", ("no_sleep", "seconds_per_rollout"), "s"),
-    ("s / critic step", ("sleep", "seconds_per_critic_step"), "s"),
-    ("s / actor step", ("sleep", "seconds_per_actor_step"), "s"),
-    ("s / rollout stage (student calls)", ("sleep", "seconds_rollout_stage"), "s"),
-    ("s / score (teacher)", ("sleep", "seconds_score"), "s"),
-    ("s / rollout in wake + sleep", ("sleep", "seconds_wake_sleep"), "s"),
-    ("samples / s, with sleep", ("sleep", "samples_per_second"), "rate"),
-    ("samples / s, no sleep", ("no_sleep", "samples_per_second"), "rate"),
-    ("TFLOP/s per device, with sleep", ("sleep", "tflops_per_device"), "tflops"),
-    ("TFLOP/s per device, no sleep", ("no_sleep", "tflops_per_device"), "tflops"),
-    ("MFU, with sleep", ("sleep", "mfu"), "mfu"),
-    ("MFU, no sleep", ("no_sleep", "mfu"), "mfu"),
-    ("GiB peak actor, with sleep", ("sleep", "group_peak", "actor"), "bytes"),
-    ("GiB peak critic, with sleep", ("sleep", "group_peak", "critic"), "bytes"),
-    ("GiB actor asleep", ("asleep", "actor"), "bytes"),
-    ("GiB critic asleep", ("asleep", "critic"), "bytes"),
-    ("GiB device peak, with sleep", ("sleep", "device_peak"), "bytes"),
-    ("  at step", ("sleep", "device_peak_at"), "text"),
-    ("GiB device peak if the idle group slept", ("device_peak_if_idle_asleep",), "bytes"),
-    ("GiB peak actor, no sleep", ("no_sleep", "group_peak", "actor"), "bytes"),
-    ("GiB peak critic, no sleep", ("no_sleep", "group_peak", "critic"), "bytes"),
-    ("GiB device peak, no sleep", ("no_sleep", "device_peak"), "bytes"),
-    ("  at step", ("no_sleep", "device_peak_at"), "text"),
-    ("GiB device used (all processes), with sleep", ("sleep", "device_used"), "bytes"),
-    ("GiB device used (all processes), no sleep", ("no_sleep", "device_used"), "bytes"),
-]
+STAGES = ("rollout", "convert", "critic-train", "score", "actor-train")
+COLUMNS = ("stage", "compute s", "wall s", "TFLOP", "MFU stated", "MFU matmul", "peak GiB", "plan GiB",
+           "peak / plan")
 
 
-def cell(figures: dict, where: tuple[str, ...], kind: str, on_gpu: bool) -> str:
-    """One figure as printed: n/a where there is none (or it is memory on CPU), the error of a failed run."""
-    value = figures
-    for key in where:
-        if "error" in value:
-            return value["error"]
-        value = value[key]
-    if isinstance(value, list):
-        value = max(value)  # per rank: the most loaded rank
-    if value is None or (kind in ("bytes", "text") and not on_gpu):
+def mean_of(variant: dict, stage: str, key: str) -> float | None:
+    """The mean over the timed rollouts of one stage's figure (None where none was measured)."""
+    values = [rollout[stage] if key is None else rollout[stage][key]
+              for rollout in variant.get("rollouts", {}).values()
+              if stage in rollout and (key is None or rollout[stage][key] is not None)]
+    return statistics.mean(values) if values else None
+
+
+def stage_rows(result: dict, variant: dict, sleeps: bool) -> list[dict]:
+    """Each stage's figures and the rollout's, as the table's rows (None: not measured, or not planned)."""
+    plan = variant.get("plan") or {}
+    flops = plan.get("flops", {})
+    planned = {stage["stage"]: stage["peak"] for stage in plan.get("stages", [])} if sleeps else {}
+    rows = []
+    for stage in STAGES:
+        peak = max((r[stage]["peak_bytes"] or 0 for r in variant.get("rollouts", {}).values() if stage in r),
+                   default=None)
+        rows.append({"stage": stage, "compute": mean_of(variant, stage, "compute_s"),
+                     "wall": mean_of(variant, stage, "wall_s"), "flops": flops.get(stage),
+                     "peak": peak or None, "plan": planned.get(stage)})
+    wall = mean_of(variant, "rollout_wall_s", None)
+    stage_wall = sum(row["wall"] or 0 for row in rows)
+    rows.append({"stage": "between stages", "wall": wall - stage_wall if wall is not None else None})
+    peaks = [row["peak"] for row in rows if row.get("peak")]
+    rows.append({"stage": "whole rollout", "compute": sum(row.get("compute") or 0 for row in rows) or None,
+                 "wall": wall,
+                 "flops": sum(flops.values()) or None, "peak": max(peaks) if peaks else None,
+                 "plan": max(planned.values()) if planned else plan.get("resident") or None})
+    for row in rows:  # a stage's MFU over its compute time; the rollout's over its wall time, copies included
+        seconds = row.get("wall") if row["stage"] == "whole rollout" else row.get("compute")
+        achieved = row["flops"] / seconds if row.get("flops") and seconds else None
+        row["mfu_stated"] = achieved / result["peak_flops_stated"] if achieved and result["peak_flops_stated"] else None
+        row["mfu_matmul"] = achieved / result["matmul_flops"] if achieved else None
+    return rows
+
+
+def _cell(value, kind: str) -> str:
+    if value is None:
         return "n/a"
-    formats = {"s": "{:.3f}", "rate": "{:.2f}", "tflops": "{:.3g}", "mfu": "{:.1%}", "bytes": "{:.2f}", "text": "{}"}
-    return formats[kind].format(value / GiB if kind == "bytes" else value)
+    formats = {"s": "{:.3f}", "tflop": "{:.4g}", "mfu": "{:.1%}", "gib": "{:.4g}", "ratio": "{:.3f}"}
+    scale = {"tflop": 1e12, "gib": GiB}.get(kind, 1)
+    return formats[kind].format(value / scale)
 
 
 def table(result: dict) -> str:
-    """The head, the figures (one column per parallel mode), and each mode's steps with sleep."""
-    modes, on_gpu = result["runs"], result["device"] != "cpu"
-    flops, shape = result["flops"], result["shape"]
-    per_rollout = flops["per_rollout_mean"]
+    """The head, then per variant its rows (or its error)."""
+    stated = result["peak_flops_stated"]
     lines = [f"command: {result['command']}",
-             f"device: {result['device']}, torch {torch.__version__}"
-             + ("" if on_gpu else "; memory rows n/a: CPU ranks report no accelerator memory"),
-             f"shape: {shape['name']}: MMDiT {shape['parameters'] / 1e6:.4g} M parameters, latents "
-             f"{'x'.join(map(str, shape['sample_shape']))} ({shape['resolution']} px), text {shape['text'][0]} tokens "
-             f"x {shape['text'][1]}, mixed precision {shape['precision']}",
-             f"recipe: N = {shape['student_steps']} student steps, K = {shape['critic_steps']} critic steps x "
-             f"B = {shape['batch']} samples per rank, world size {shape['world_size']}, {shape['samples']} samples per "
-             f"rollout; {shape['rollouts']} timed rollouts each way after a warm-up",
-             f"FLOPs per sample (FlopCounterMode): forward F {flops['forward'] / 1e9:.4g} GFLOP, forward + backward "
-             f"{flops['forward_backward'] / 1e9:.4g} GFLOP ({flops['forward_backward'] / flops['forward']:.2f} F)",
-             "FLOPs per rollout (all ranks, mean of the timed): " + ", ".join(
-                 f"{stage} {value / 1e9:.4g}" for stage, value in per_rollout.items())
-             + f" = {sum(per_rollout.values()) / 1e9:.4g} GFLOP",
-             "peak dense bf16: " + (f"{result['peak_flops'] / 1e12:.0f} TFLOP/s" if result["peak_flops"]
-                                     else "unknown for this device: MFU n/a"),
-             "", "| figure | " + " | ".join(modes) + " |", "|---|" + "---:|" * len(modes)]
-    for label, where, kind in ROWS:
-        lines.append(f"| {label} | " + " | ".join(cell(f, where, kind, on_gpu) for f in modes.values()) + " |")
-    for mode, figures in modes.items():
-        steps = figures["sleep"]["steps"]
-        roles = list(next(iter(steps.values()))["peak"])
-        lines += ["", f"{mode}, with sleep, step by step: mean s, and each group's peak GiB during the step",
-                  "| step | s | " + " | ".join(roles) + " |", "|---|---:|" + "---:|" * len(roles)]
-        lines += [f"| {name} | {step['seconds']:.3f} | "
-                  + " | ".join(cell(step["peak"], (role,), "bytes", on_gpu) for role in roles) + " |"
-                  for name, step in steps.items()]
+             f"device: {result['device']}, torch {result['torch']}, shape {result['shape']}",
+             "peaks for the MFU: stated " + (f"{stated / 1e12:.4g} TFLOP/s" if stated else
+                                             "none (give --peak-tflops)")
+             + f"; a bf16 matrix product here: {result['matmul_flops'] / 1e12:.4g} TFLOP/s",
+             "a stage's MFU is over its compute time; the whole rollout's over its wall time (sleep and wake copies "
+             "included); memory is n/a without CUDA; plan GiB is `dmd2 plan`'s prediction for the same run"]
+    for name, variant in result["variants"].items():
+        lines += ["", f"variant {name}" + (f": {variant['error']}" if "error" in variant else "")]
+        if "rollouts" not in variant:
+            continue
+        lines += ["| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
+        for row in stage_rows(result, variant, sleeps=name != "no-sleep"):
+            ratio = row["peak"] / row["plan"] if row.get("peak") and row.get("plan") else None
+            cells = [_cell(row.get("compute"), "s"), _cell(row.get("wall"), "s"), _cell(row.get("flops"), "tflop"),
+                     _cell(row.get("mfu_stated"), "mfu"), _cell(row.get("mfu_matmul"), "mfu"),
+                     _cell(row.get("peak"), "gib"), _cell(row.get("plan"), "gib"), _cell(ratio, "ratio")]
+            lines.append(f"| {row['stage']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

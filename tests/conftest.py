@@ -1,34 +1,46 @@
 """Fixtures shared by the end-to-end tests (tests/flows, tests/reliability): an in-process Prefect
 server, moto's S3 server, a tiny teacher, one local Ray for the session (`shared_ray`: started after moto's
-settings are in the environment, so that its workers inherit them) and one uninterrupted tiny run (`tiny_run`)."""
+settings are in the environment, so that its workers inherit them) and one uninterrupted tiny run (`tiny_run`).
+
+Ray, Prefect, boto3, moto and the store are imported inside the fixtures that use them, never at collection: the
+GPU image has none of them, and its tests (marked gpu) must collect there (tests/bench/test_gpu_bench.py)."""
 
 from pathlib import Path
+
+import pytest
+import torch
 
 from flows.prefect_env import apply_defaults
 
 apply_defaults()  # before Prefect is imported: the tests' Prefect client and server are set up as dmd2's
 
-import boto3  # noqa: E402
-import pytest  # noqa: E402
-import ray  # noqa: E402
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
-from flows.distill import distill  # noqa: E402
-from infra.trainers.cluster import ensure_ray  # noqa: E402
-from tests.flows.conftest import TINY_EVAL_INTERVAL, TINY_ROLLOUTS, write_recipe  # noqa: E402
-from tests.infra.conftest import BUCKET, REGION, MotoServer, aws_test_settings  # noqa: E402
-from tests.infra.trainers.ray_fixtures import tiny_teacher  # noqa: E402, F401  (a fixture)
+@pytest.fixture(scope="session")
+def tiny_teacher(tmp_path_factory) -> str:
+    """A freshly initialised tiny class-conditional digits UNet, saved as a diffusers directory."""
+    from dmd2.families.digits.model import build_digits_unet
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("models") / "teacher"
+    build_digits_unet(block_out_channels=(8, 16), norm_num_groups=4).save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture(scope="session")
 def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
     with prefect_test_harness(server_startup_timeout=120):
         yield
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory) -> MotoServer:
+def s3_server(tmp_path_factory) -> "MotoServer":
     """moto's S3 server with a bucket, and the AWS settings in this process's environment."""
+    import boto3
+
+    from tests.infra.conftest import BUCKET, REGION, MotoServer, aws_test_settings
+
     server = MotoServer()
     with pytest.MonkeyPatch.context() as env:
         for name, value in aws_test_settings(server.endpoint, tmp_path_factory.mktemp("aws")).items():
@@ -41,6 +53,8 @@ def s3_server(tmp_path_factory) -> MotoServer:
 @pytest.fixture(scope="session")
 def s3_store(s3_server) -> str:
     """A store prefix in the bucket of `s3_server`."""
+    from tests.infra.conftest import BUCKET
+
     return f"s3://{BUCKET}/runs"
 
 
@@ -52,6 +66,8 @@ def tiny_teacher_dir(tiny_teacher) -> Path:
 @pytest.fixture(scope="session")
 def _ray_for_the_session():
     yield
+    import ray
+
     if ray.is_initialized():
         ray.shutdown()
 
@@ -61,6 +77,10 @@ def start_shared_ray() -> None:
     authentication) so that `distill` joins it. 12 logical CPUs: scheduling tokens, not cores (a rank sizes
     its threads by the machine), enough for the groups a module keeps up side by side (tests/infra/trainers/
     test_group.py: world size 1, 2 and 2 again, colocated: 2 + 4 + 4)."""
+    import ray
+
+    from infra.trainers.cluster import ensure_ray
+
     if not ray.is_initialized():
         with pytest.MonkeyPatch.context() as env:
             env.delenv("RAY_ADDRESS", raising=False)
@@ -88,6 +108,9 @@ def tiny_run(prefect_server, s3_store, tiny_teacher_dir, _ray_for_the_session, s
     the student that every interrupted or faulty run of the same recipe must equal, bit for bit (seeds come
     from the recipe, not the run id). Made once: a run costs a Ray group build and its evaluations.
     Returns (the distill result, the recipe, the MLflow tracking URI)."""
+    from flows.distill import distill
+    from tests.flows.conftest import TINY_EVAL_INTERVAL, TINY_ROLLOUTS, write_recipe
+
     start_shared_ray()
     tmp = tmp_path_factory.mktemp("tiny-run")
     recipe = write_recipe(tmp / "tiny.toml", tiny_teacher_dir, TINY_ROLLOUTS, eval_interval=TINY_EVAL_INTERVAL)

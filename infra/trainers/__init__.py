@@ -9,24 +9,13 @@ the six steps of a rollout as calls on groups, refs in and refs out; payloads be
 through the store (`payloads`), never through the driver.
 """
 
-from infra.trainers.cluster import RankResources, ensure_ray
-from infra.trainers.group import EvalResult, RankLostError, RecoverableError, TrainerGroup, TrainResult
-from infra.trainers.prepare import load_prepared, prepare_inputs
-from infra.trainers.stages import Groups, build_groups, load_groups, run_rollout_on_groups, save_groups
+from dmd2.lazy import lazy_exports
 
-__all__ = [
-    "EvalResult",
-    "Groups",
-    "RankLostError",
-    "RankResources",
-    "RecoverableError",
-    "TrainResult",
-    "TrainerGroup",
-    "build_groups",
-    "ensure_ray",
-    "load_groups",
-    "load_prepared",
-    "prepare_inputs",
-    "run_rollout_on_groups",
-    "save_groups",
-]
+# Lazy (PEP 562): the rank's own modules (models, memory_plan, offload, parallel) import without Ray, so that the
+# single-process device check (bench/gpu.py) runs where Ray, Prefect and MLflow are not installed.
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "cluster": ["RankResources", "ensure_ray"],
+    "group": ["EvalResult", "RankLostError", "RecoverableError", "TrainResult", "TrainerGroup"],
+    "prepare": ["load_prepared", "prepare_inputs"],
+    "stages": ["Groups", "build_groups", "load_groups", "run_rollout_on_groups", "save_groups"],
+})

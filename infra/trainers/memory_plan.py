@@ -150,6 +150,8 @@ class GpuModels:
     teacher: nn.Module
     hooks: dict[str, Hooks]
     wrap: Wrap | None = None
+    device: torch.device = DEVICE  # where the models are: the plan's fake CPU, or a real device (bench/gpu.py)
+    asleep: set[str] = dataclasses.field(default_factory=set)  # roles, and "teacher" while it is parked
 
     def module(self, role: str) -> nn.Module:
         """The group's model unwrapped, which its forwards without grad run (the rollout, scoring)."""
@@ -157,7 +159,14 @@ class GpuModels:
         return getattr(model, "module", model)
 
     def sleep(self, role: str, parking: Parking) -> None:
-        """As the rank's sleep: gradients dropped, weights, optimizer state and EMA parked, the wrapper gone."""
+        """As the rank's sleep: gradients dropped, weights, optimizer state and EMA parked, the wrapper gone; the
+        teacher parked. Nothing happens to what is asleep already (a rollout after the first finds the critic so)."""
+        if role in self.asleep:
+            return
+        self.asleep.add(role)
+        if role == "teacher":
+            parking.park(role, module_tensors(self.teacher))
+            return
         state, module = getattr(self, role), self.module(role)
         parking.park(role, sleeping_tensors(module, state))
         if isinstance(state.model, DdpBuckets):
@@ -166,17 +175,23 @@ class GpuModels:
 
     def wake(self, role: str, parking: Parking) -> None:
         """As the rank's wake: what sleeps restored, the model wrapped anew."""
+        if role not in self.asleep:
+            return
+        self.asleep.remove(role)
         parking.unpark(role)
+        if role == "teacher":
+            return
         state = getattr(self, role)
         self._hold(state, self.wrap(state.model) if self.wrap is not None else state.model)
 
     def _hold(self, state: TrainState, model: nn.Module) -> None:
         module = getattr(model, "module", model)
         state.model = model
-        state.velocity = tapped(rank_velocity(self.spec.family, model, self.spec.config, DEVICE), module)
+        state.velocity = tapped(rank_velocity(self.spec.family, model, self.spec.config, self.device), module)
 
 
-def gpu_models(spec: RunSpec, load: Load, mesh=None, wrap: Wrap | None = None) -> GpuModels:
+def gpu_models(spec: RunSpec, load: Load, mesh=None, wrap: Wrap | None = None,
+               device: torch.device = DEVICE) -> GpuModels:
     """Both groups' rank on one GPU, loaded by ``load`` and held as the ranks hold them, awake (``wrap``ped, if
     given); ``spec.family`` must be bound (`ModelFamily.bind`). Their optimizer state is made
     (`_with_optimizer_state`)."""
@@ -189,7 +204,7 @@ def gpu_models(spec: RunSpec, load: Load, mesh=None, wrap: Wrap | None = None) -
         hooks[trainer.role] = resolve_hooks(trainer.hooks, trainer.role)
         if trainer.teacher is not None:
             teacher = load(trainer.teacher, teacher_dtype(config)).eval().requires_grad_(False)
-    gpu = GpuModels(spec, states["actor"], states["critic"], teacher, hooks, wrap)
+    gpu = GpuModels(spec, states["actor"], states["critic"], teacher, hooks, wrap, device)
     for state in states.values():
         gpu._hold(state, wrap(state.model) if wrap is not None else state.model)
     return gpu
@@ -242,34 +257,37 @@ def _first_and_last(hooks: Hooks, steps: int) -> tuple[Hooks, int]:
         prepare=lambda ctx, pairs, step: hooks.prepare(ctx, pairs, chosen[step])), len(chosen)
 
 
-def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], parking: Parking) -> None:
+def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], parking: Parking,
+             every_step: bool = False) -> None:
     """One rollout on ``gpu`` as the two ranks run it, each of `STAGES` inside ``stage(name)``: the group of the
-    stage awake (woken before it), the other asleep, the teacher on the device only while scoring."""
-    spec = gpu.spec
+    stage awake (woken before it), the other asleep, the teacher on the device only while scoring. The critic
+    runs `rehearsed_steps` of its steps, or with ``every_step`` all of them (a timed rollout)."""
+    spec, device = gpu.spec, gpu.device
     config, family = spec.config, spec.family
     plan = rollout_plan(config, 0, spec.sample_shape)
     real = family.real_source(spec)
     gpu.sleep("critic", parking)
-    parking.park("teacher", module_tensors(gpu.teacher))
+    gpu.sleep("teacher", parking)
     with stage("rollout"):
-        student = rank_velocity(family, gpu.module("actor"), config, DEVICE)
-        samples = rollout_shard(student, spec.conds, plan, 0, DEVICE, lockstep=config.train.parallel in SHARDED)
+        student = rank_velocity(family, gpu.module("actor"), config, device)
+        samples = rollout_shard(student, spec.conds, plan, 0, device, lockstep=config.train.parallel in SHARDED)
     with stage("convert"):
         pairs = samples_to_train_pairs(samples, config.student.num_steps)
     del samples
     gpu.sleep("actor", parking)
     gpu.wake("critic", parking)
-    hooks, steps = _first_and_last(gpu.hooks["critic"], plan.critic_steps)
+    hooks, steps = ((gpu.hooks["critic"], plan.critic_steps) if every_step
+                    else _first_and_last(gpu.hooks["critic"], plan.critic_steps))
     with stage("critic-train"):
         _, kept = train_steps(gpu.critic, hooks, HookContext(plan, config.dmd2, 0, {}, real), pairs, steps)
     gpu.critic.optimizer.zero_grad(set_to_none=True)  # as `RankWorker.score`: the last step's gradients go first
-    parking.unpark("teacher")
+    gpu.wake("teacher", parking)
     with stage("score"):
-        scores = score(rank_velocity(family, gpu.teacher, config, DEVICE), kept, pairs,
+        scores = score(rank_velocity(family, gpu.teacher, config, device), kept, pairs,
                        HookContext(plan, config.dmd2, 0, {}, real),
-                       tapped(rank_velocity(family, gpu.module("critic"), config, DEVICE), gpu.module("critic")))
+                       tapped(rank_velocity(family, gpu.module("critic"), config, device), gpu.module("critic")))
     del kept
-    parking.park("teacher", module_tensors(gpu.teacher))
+    gpu.sleep("teacher", parking)
     gpu.sleep("critic", parking)
     gpu.wake("actor", parking)
     with stage("actor-train"):

@@ -1,104 +1,131 @@
-"""bench/gpu.py and gpu_table.py: the CPU table on the tests' tiny pipeline (every row, finite positive
-figures), the rollout's FLOP count against the calls `rollout_shard` makes, the device peak's sum, and
-on CUDA what sleeping saves."""
+"""bench/gpu.py, the single-process device check, run here as on the GPU image: with Ray, Prefect, MLflow, boto3
+and moto absent (tests/bench/absent_packages.py), at the tiny shape on CPU; the GPU tests collected the same
+way; the table's arithmetic against a hand count; and on CUDA, each stage's measured peak against `dmd2 plan`."""
 
-import contextlib
-import io
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from bench import gpu
-from bench.gpu_table import ROWS
-from dmd2.conditioning import ClassLabels
-from dmd2.config import config_from_dict
-from dmd2.plan import rollout_plan
-from dmd2.rollout import rollout_shard
+from bench.gpu_table import STAGES, stage_rows
 
-MiB = 2**20
-TIMES = ("seconds_per_rollout", "seconds_per_critic_step", "seconds_per_actor_step", "seconds_rollout_stage",
-         "seconds_score", "samples_per_second", "tflops_per_device")
+REPO = Path(__file__).resolve().parents[2]
+WITHOUT_SERVERS = [sys.executable, str(REPO / "tests" / "bench" / "absent_packages.py")]
+ROWS = (*STAGES, "between stages", "whole rollout")
+GPU_TEST_FILES = ["tests/bench/test_gpu_bench.py", "tests/dmd2/test_on_device.py"]
+
+
+def run_without_servers(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*WITHOUT_SERVERS, *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def printed_rows(printed: str) -> dict[str, dict[str, list[str]]]:
+    """Each variant's table rows as printed: {variant: {row name: its cells}}."""
+    rows, variant = {}, None
+    for line in printed.splitlines():
+        if line.startswith("variant "):
+            variant = line.split()[1].rstrip(":")
+            rows[variant] = {}
+        elif line.startswith("| ") and not line.startswith("| stage |") and variant:
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            rows[variant][cells[0]] = cells[1:]
+    return rows
 
 
 @pytest.fixture(scope="module")
-def tiny_table(shared_ray, tmp_path_factory):  # the session's Ray: bench.gpu joins it rather than start its own
-    path = tmp_path_factory.mktemp("bench") / "gpu.json"
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        result = gpu.main(["--tiny", "--rollouts", "1", "--json", str(path)])
-    return {"printed": printed.getvalue(), "result": result, "json": json.loads(path.read_text())}
+def device_call(tmp_path_factory) -> dict:
+    """bench/gpu_check.sh, the whole device call, at the tiny shape on CPU: its results folder."""
+    out = tmp_path_factory.mktemp("gpu-check")
+    done = subprocess.run(["bash", "bench/gpu_check.sh", "--variants", "sleep", "no-sleep", "--rollouts", "1",
+                           "--peak-tflops", "1"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"OUT": str(out), "PY": sys.executable, "WORKDIR": str(out / "work")})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {name: (out / name).read_text() for name in ("summary.txt", "gpu.txt", "gpu.json", "pytest.txt")}
 
 
-def test_the_tiny_table_prints_the_command_and_every_row(tiny_table):
-    lines = tiny_table["printed"].splitlines()
-    assert lines[0].startswith("command: python -m bench.gpu --tiny --rollouts 1 --json ")
-    for label, _, _ in ROWS:
-        assert any(line.startswith(f"| {label} | ") for line in lines), label
-    assert "memory rows n/a" in tiny_table["printed"]  # CPU ranks have no accelerator memory to report
+@pytest.fixture(scope="module")
+def tiny_check(device_call) -> tuple[str, dict]:
+    return device_call["gpu.txt"], json.loads(device_call["gpu.json"])
 
 
-def test_the_tiny_figures_are_positive_and_finite(tiny_table):
-    result = tiny_table["result"]
-    assert tiny_table["json"] == json.loads(json.dumps(result))  # --json holds what was printed
-    flops = result["flops"]
-    assert flops["forward"] > 0 and 2.5 < flops["forward_backward"] / flops["forward"] < 3.5
-    run = result["runs"]["ddp"]
-    for mode in ("sleep", "no_sleep"):
-        for key in TIMES:
-            assert math.isfinite(run[mode][key]) and run[mode][key] > 0, (mode, key, run[mode][key])
-    cells = [[c.strip() for c in line.strip("|").split("|")] for line in tiny_table["printed"].splitlines()
-             if line.startswith(("| s / ", "| samples / s"))]
-    assert len(cells) == 9 and all(math.isfinite(float(value)) and float(value) > 0 for _, value in cells), cells
+def test_the_absent_packages_really_are_absent():
+    done = run_without_servers("-m", "infra.trainers.cluster", timeout=60)  # its first import is Ray
+    assert done.returncode != 0 and "ModuleNotFoundError: import of ray halted" in done.stderr, done.stderr
 
 
-def test_the_rollout_flops_count_the_student_calls_rollout_shard_makes():
-    config = config_from_dict({"model": {"teacher": "builtin:digits"}, "student": {"num_steps": 4},
-                               "dmd2": {"critic_steps_per_rollout": 3},
-                               "train": {"rollout_batch_size": 12, "world_size": 2}})
-    rows_per_call = []
-
-    def student(x_s, sigma, cond):
-        rows_per_call.append(x_s.shape[0])
-        return torch.zeros_like(x_s)
-
-    for rollout_id in range(3):
-        rows_per_call.clear()
-        plan = rollout_plan(config, rollout_id, (1, 2, 2))
-        for rank in range(2):
-            rollout_shard(student, ClassLabels(10, 10), plan, rank)
-        counted = gpu.rollout_flops(config, (1, 2, 2), rollout_id, forward=1.0, forward_backward=3.0)
-        assert counted["rollout"] == sum(rows_per_call)  # one forward per sample per call
-        assert counted["critic-train"] == 3 * 2 * 2 * 3.0 and counted["actor-train"] == 2 * 2 * 3.0
-        assert counted["score"] == 2 * 2 * 2 * 1.0  # CFG: both branches for each scored sample
+def test_the_check_prints_every_row_of_every_variant_without_the_servers_packages(tiny_check):
+    printed, result = tiny_check
+    assert printed.startswith("command: python bench/gpu.py --workdir ") and " --variants sleep no-sleep " in printed
+    assert "stated 1 TFLOP/s" in printed
+    rows = printed_rows(printed)
+    assert sorted(rows) == ["no-sleep", "sleep"]
+    for variant, table in rows.items():
+        assert "error" not in result["variants"][variant]
+        assert list(table) == list(ROWS), variant
+        for stage in ("rollout", "critic-train", "score", "actor-train"):
+            compute, wall, tflop, mfu_stated, mfu_matmul = table[stage][:5]
+            figures = [float(compute), float(wall), float(tflop), float(mfu_stated.rstrip("%"))]
+            assert all(math.isfinite(value) and value > 0 for value in figures), (variant, stage, table[stage])
+            assert mfu_matmul.endswith("%")
+            assert table[stage][5] == "n/a"  # CPU: no device memory to measure
+        assert float(table["between stages"][1]) >= 0
+    assert all(float(rows["sleep"][stage][6]) > 0 for stage in STAGES)  # the plan's prediction, per stage
 
 
-def test_the_device_peak_adds_what_the_idle_group_holds_step_by_step():
-    """Two rollouts of three steps on 2 ranks: the peak is per rank and per step, the sum of both groups."""
-    config = config_from_dict({"model": {"teacher": "builtin:digits"}, "dmd2": {"critic_steps_per_rollout": 2},
-                               "train": {"rollout_batch_size": 8, "world_size": 2}})
+def test_the_json_holds_each_stage_as_measured_and_the_plan(tiny_check):
+    printed, result = tiny_check
+    rows = printed_rows(printed)
+    for variant in ("sleep", "no-sleep"):
+        figures = result["variants"][variant]
+        measured, flops = figures["rollouts"]["0"], figures["plan"]["flops"]
+        for stage in ("critic-train", "actor-train"):
+            mfu = flops[stage] / measured[stage]["compute_s"] / 1e12  # --peak-tflops 1
+            assert rows[variant][stage][3] == f"{mfu:.1%}", (variant, stage)
+            assert measured[stage]["wall_s"] >= measured[stage]["compute_s"] > 0  # CPU: compute is the host clock
+        assert measured["rollout_wall_s"] >= sum(measured[stage]["wall_s"] for stage in STAGES)
 
-    def rollout(seconds):
-        return [gpu.Step("rollout", seconds, {"actor": [10, 11], "critic": [1, 1]}, None),
-                gpu.Step("critic-train", 2 * seconds, {"actor": [8, 8], "critic": [20, 23]}, None),
-                gpu.Step("actor-train", seconds, {"actor": [29, 12], "critic": [1, 1]}, None)]
 
-    figures = gpu.summarize([rollout(1.0), rollout(2.0)], [8e12, 16e12], config, peak=4e12)
-    assert figures["device_peak"] == 31 and figures["device_peak_at"] == "critic-train"  # rank 1: 8 + 23
-    assert figures["group_peak"] == {"actor": [29, 12], "critic": [20, 23]}
-    assert figures["seconds_per_rollout"] == 6.0 and figures["seconds_per_critic_step"] == 3.0 / 2
-    assert figures["samples_per_second"] == 8 / 6.0
-    assert figures["mfu"] == pytest.approx(24e12 / 2 / 12.0 / 4e12)  # FLOPs per device over the seconds, over peak
+def test_the_device_call_runs_the_check_and_the_gpu_tests_without_the_servers_packages(device_call):
+    summary = device_call["summary.txt"]
+    assert "bench/gpu.py: exit 0" in summary and "gpu tests: exit 0" in summary, summary
+    for path in GPU_TEST_FILES:  # collected (so imported) with the packages absent; skipped without CUDA
+        assert "SKIPPED" in device_call["pytest.txt"] and path in device_call["pytest.txt"], device_call["pytest.txt"]
+
+
+def test_the_table_counts_mfu_over_compute_and_the_rollout_over_its_wall_time():
+    result = {"peak_flops_stated": 8e12, "matmul_flops": 4e12}
+    rollout = {stage: {"compute_s": 0.5, "wall_s": 0.6, "peak_bytes": 100} for stage in STAGES}
+    variant = {"plan": {"flops": {stage: 2e12 for stage in STAGES}, "resident": 300,
+                        "stages": [{"stage": stage, "peak": 200, "by_category": {}} for stage in STAGES]},
+               "rollouts": {"0": rollout | {"rollout_wall_s": 4.0}, "1": rollout | {"rollout_wall_s": 5.0}}}
+    rows = {row["stage"]: row for row in stage_rows(result, variant, sleeps=True)}
+    assert rows["score"]["mfu_stated"] == pytest.approx(2e12 / 0.5 / 8e12)
+    assert rows["score"]["mfu_matmul"] == pytest.approx(2e12 / 0.5 / 4e12)
+    assert rows["between stages"]["wall"] == pytest.approx(4.5 - 5 * 0.6)
+    assert rows["whole rollout"]["mfu_stated"] == pytest.approx(5 * 2e12 / 4.5 / 8e12)
+    assert rows["whole rollout"]["peak"] == 100 and rows["whole rollout"]["plan"] == 200
+    resident = {row["stage"]: row for row in stage_rows(result, variant, sleeps=False)}
+    assert resident["score"]["plan"] is None and resident["whole rollout"]["plan"] == 300  # nothing asleep: resident
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_with_sleep_the_device_peak_is_the_largest_group_not_the_sum():
-    """A mid-size MMDiT (bench/gpu.py's "small" shape), DDP at world size 1, both groups on one GPU."""
-    result = gpu.main(["--shape", "small", "--rollouts", "1"])
-    sleep = result["runs"]["ddp"]["sleep"]
-    peaks = {role: max(per_rank) for role, per_rank in sleep["group_peak"].items()}
-    slack = 0.1 * max(peaks.values()) + 256 * MiB
-    assert sleep["device_peak"] <= max(peaks.values()) + slack, (sleep["device_peak"], peaks, sleep["device_peak_at"])
-    assert sleep["device_peak"] < sum(peaks.values()), (sleep["device_peak"], peaks)
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_on_cuda_each_stages_peak_is_within_the_plan_plus_10_percent(parallel, tmp_path):
+    """The tiny pipeline, bf16, world size 1 (an FSDP2 step on CUDA with `fsdp`): every stage's
+    torch.cuda.max_memory_allocated against `dmd2 plan`'s prediction for the same run."""
+    from bench import gpu
+
+    result = gpu.main(["--tiny", "--variants", "sleep", "--rollouts", "1", "--parallel", parallel,
+                       "--workdir", str(tmp_path)])
+    variant = result["variants"]["sleep"]
+    assert "error" not in variant, variant.get("error")
+    planned = {stage["stage"]: stage["peak"] for stage in variant["plan"]["stages"]}
+    for stage, figures in variant["rollouts"]["0"].items():
+        if stage in planned:
+            assert figures["peak_bytes"] <= 1.1 * planned[stage], (stage, figures["peak_bytes"], planned[stage])

@@ -1,29 +1,16 @@
-"""Fixtures for the trainer-group tests: a tiny teacher, tiny configs. The session's one local Ray is
-tests/conftest.py's `shared_ray`; modules needing another cluster (the simulated multi-node one, a pretend
-GPU) shut it down and start theirs.
-
-Import the fixtures into a test module (``from tests.infra.trainers.ray_fixtures import tiny_teacher``).
+"""Helpers of the trainer-group tests: tiny configs, run specs, stores. The tiny teacher (`tiny_teacher`) and
+the session's one local Ray (`shared_ray`) are tests/conftest.py's fixtures; modules needing another cluster (the
+simulated multi-node one, a pretend GPU) shut it down and start theirs.
 """
 
 import tempfile
 from pathlib import Path
 
-import pytest
 import torch
 
 from dmd2.config import DistillConfig, config_from_dict
 from dmd2.family import RunSpec, family_for
-from dmd2.families.digits.model import build_digits_unet
 from infra.store import ArtifactStore
-
-
-@pytest.fixture(scope="session")
-def tiny_teacher(tmp_path_factory) -> str:
-    """A freshly initialised tiny class-conditional digits UNet, saved as a diffusers directory."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("models") / "teacher"
-    build_digits_unet(block_out_channels=(8, 16), norm_num_groups=4).save_pretrained(path)
-    return str(path)
 
 
 def tiny_config(teacher: str, world_size: int, **train) -> DistillConfig:

@@ -14,7 +14,7 @@ from infra.trainers.cluster import (RankResources, check_folders_on_every_node, 
                                     rank_placement_group, rank_resources)
 from infra.trainers.group import check_distinct_devices, start_rank_processes
 from infra.trainers.stages import build_groups
-from tests.infra.trainers.ray_fixtures import new_store, run_spec, tiny_config, tiny_teacher  # noqa: F401
+from tests.infra.trainers.ray_fixtures import new_store, run_spec, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from ray.cluster_utils import Cluster
 
 from infra.trainers.cluster import RankResources, ensure_ray, first_bundle_on_each_node
 from infra.trainers.stages import build_groups, run_rollout_on_groups
-from tests.infra.trainers.ray_fixtures import run_spec, new_store, tiny_config, tiny_teacher  # noqa: F401
+from tests.infra.trainers.ray_fixtures import run_spec, new_store, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from infra.trainers.stages import (Groups, actor_train_stage, build_groups, conv
 from infra.store import ArtifactRef
 from infra.trainers.configs import HookPaths, compute_trainer_configs
 from tests.reliability.faults import rank_pids
-from tests.infra.trainers.ray_fixtures import run_spec, max_abs_diff, new_store, tiny_config, tiny_teacher  # noqa: F401
+from tests.infra.trainers.ray_fixtures import run_spec, max_abs_diff, new_store, tiny_config
 
 RUN = "run"
 ROLLOUTS = 2

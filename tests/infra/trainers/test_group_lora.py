@@ -11,7 +11,7 @@ from diffusers import AutoModel
 from infra.store import ArtifactRef
 from infra.trainers.cluster import RankResources
 from infra.trainers.stages import build_groups, load_groups, run_rollout_on_groups, save_groups
-from tests.infra.trainers.ray_fixtures import max_abs_diff, new_store, run_spec, tiny_config, tiny_teacher  # noqa: F401
+from tests.infra.trainers.ray_fixtures import max_abs_diff, new_store, run_spec, tiny_config
 
 RUN = "run"
 

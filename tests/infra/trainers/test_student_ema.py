@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from infra.trainers.cluster import RankResources
 from infra.trainers.stages import build_groups, load_groups, run_rollout_on_groups, save_groups
-from tests.infra.trainers.ray_fixtures import new_store, run_spec, tiny_config, tiny_teacher  # noqa: F401
+from tests.infra.trainers.ray_fixtures import new_store, run_spec, tiny_config
 
 RUN = "run"
 DECAY = 0.5  # two rollouts move the average visibly away from the raw weights
