@@ -18,6 +18,7 @@ gradients all-reduced across the groups after each group's reduce-scatter: gathe
 """
 
 import functools
+import inspect
 import os
 import socket
 
@@ -31,6 +32,16 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from dmd2.config import DistillConfig, TrainConfig
 from dmd2.config_rules import SHARDED
 from dmd2.lora import add_adapters_like, has_adapters
+
+
+def no_buffer_sync(wrapper: type) -> dict[str, bool]:
+    """DDP's argument for no buffer sync in forward (a collective in every forward; buffers are equal from the
+    start): torch 2.13 names it `forward_sync_buffers`, earlier ones (the GPU image's 2.11) `broadcast_buffers`."""
+    new_name = "forward_sync_buffers" in inspect.signature(wrapper).parameters
+    return {"forward_sync_buffers": False} if new_name else {"broadcast_buffers": False}
+
+
+NO_BUFFER_SYNC = no_buffer_sync(nn.parallel.DistributedDataParallel)
 
 
 def free_port() -> int:
@@ -63,10 +74,10 @@ def ddp(model: nn.Module, device: torch.device) -> nn.Module:
     numbers of them without a collective falling out of step.
     """
     ids = [device.index or 0] if device.type == "cuda" else None
-    # No buffer sync in forward: it would be a collective in every forward (buffers are equal from the start).
     # Gradients as views into the buckets: one model's worth of gradient memory instead of two.
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids, init_sync=False, forward_sync_buffers=False,
-                                               gradient_as_bucket_view=True)
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids, init_sync=False, gradient_as_bucket_view=True,
+                                               **NO_BUFFER_SYNC)
+
 
 
 def replicated(config: DistillConfig) -> bool:

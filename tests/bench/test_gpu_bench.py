@@ -13,11 +13,15 @@ import pytest
 import torch
 
 from bench.gpu_table import STAGES, stage_rows
+from infra.trainers.parallel import no_buffer_sync
 
 REPO = Path(__file__).resolve().parents[2]
 WITHOUT_SERVERS = [sys.executable, str(REPO / "tests" / "bench" / "absent_packages.py")]
 ROWS = (*STAGES, "between stages", "whole rollout")
 GPU_TEST_FILES = ["tests/bench/test_gpu_bench.py", "tests/dmd2/test_on_device.py"]
+# The device path's torch calls newer than the GPU image's torch 2.11 (seen failing there), each with the one
+# place allowed to use it: a guard that falls back on 2.11's spelling.
+NEWER_THAN_TORCH_2_11 = {"forward_sync_buffers": "infra/trainers/parallel.py"}
 
 
 def run_without_servers(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -95,6 +99,21 @@ def test_the_device_call_runs_the_check_and_the_gpu_tests_without_the_servers_pa
     assert "bench/gpu.py: exit 0" in summary and "gpu tests: exit 0" in summary, summary
     for path in GPU_TEST_FILES:  # collected (so imported) with the packages absent; skipped without CUDA
         assert "SKIPPED" in device_call["pytest.txt"] and path in device_call["pytest.txt"], device_call["pytest.txt"]
+
+
+def test_the_device_path_guards_what_torch_2_11_lacks():
+    sources = [*REPO.glob("dmd2/**/*.py"), *REPO.glob("infra/trainers/*.py"), REPO / "bench" / "gpu.py"]
+    for name, guard in NEWER_THAN_TORCH_2_11.items():
+        users = [path.relative_to(REPO).as_posix() for path in sources if name in path.read_text()]
+        assert users == [guard], (name, users)
+
+    class DdpOfTorch211(torch.nn.Module):  # the signature's part that matters: no forward_sync_buffers
+        def __init__(self, module, device_ids=None, broadcast_buffers=True, init_sync=True):
+            super().__init__()
+
+    assert no_buffer_sync(DdpOfTorch211) == {"broadcast_buffers": False}
+    assert no_buffer_sync(torch.nn.parallel.DistributedDataParallel) == (
+        {"forward_sync_buffers": False} if torch.__version__ >= "2.13" else {"broadcast_buffers": False})
 
 
 def test_the_table_counts_mfu_over_compute_and_the_rollout_over_its_wall_time():
