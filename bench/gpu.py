@@ -49,7 +49,7 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.gpu_table import table  # noqa: E402
 from dmd2.config import DistillConfig, config_from_dict  # noqa: E402
-from dmd2.families.sd3.published import SD35_MEDIUM  # noqa: E402
+from dmd2.families.sd3.published import SD35_MEDIUM, TEXT_TOKENS  # noqa: E402
 from dmd2.family import family_for  # noqa: E402
 from infra.trainers.memory_plan import Parking, gpu_models, plan_memory, rehearse  # noqa: E402
 from infra.trainers.offload import HostCopy, own_storage  # noqa: E402
@@ -121,6 +121,28 @@ def matmul_flops(device: torch.device) -> float:
         a @ b
     synchronize(device)
     return 10 * 2 * n**3 / (time.perf_counter() - start)
+
+
+def attention_op(device: torch.device, transformer: dict, sample_shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    """The operator `F.scaled_dot_product_attention` runs for the MMDiT's joint attention here (flash, memory-efficient,
+    cuDNN, or the math fallback): torch picks it by device, dtype and shape, below the Python dispatch key that
+    sees it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    patch = transformer["patch_size"]
+    tokens = (sample_shape[-2] // patch) * (sample_shape[-1] // patch) + TEXT_TOKENS
+    q = torch.zeros(1, transformer["num_attention_heads"], tokens, transformer["attention_head_dim"], device=device,
+                    dtype=dtype)
+    with Seen():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    return next((name for name in seen if "attention" in name), " ".join(seen))
 
 
 def synchronize(device: torch.device) -> None:
@@ -234,6 +256,10 @@ def run(args: argparse.Namespace, write) -> dict:
             family = family_for(config.model)
             family.check(config)
             config = family.resolve(config, args.cache)
+            if "attention" not in result:
+                spec = family.run_spec(config, args.cache)
+                dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+                result["attention"] = attention_op(device, shapes()[args.shape].transformer, spec.sample_shape, dtype)
             progress(f"{variant}: planning (dmd2 plan on fake tensors)")
             plan = plan_memory(family.plan_spec(config))
             figures["plan"] = plan.to_dict()

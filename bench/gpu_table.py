@@ -57,7 +57,8 @@ def table(result: dict) -> str:
     """The head, then per variant its rows (or its error)."""
     stated = result["peak_flops_stated"]
     lines = [f"command: {result['command']}",
-             f"device: {result['device']}, torch {result['torch']}, shape {result['shape']}",
+             f"device: {result['device']}, torch {result['torch']}, shape {result['shape']}, attention "
+             f"{result.get('attention', 'n/a')}",
              "peaks for the MFU: stated " + (f"{stated / 1e12:.4g} TFLOP/s" if stated else
                                              "none (give --peak-tflops)")
              + f"; a bf16 matrix product here: {result['matmul_flops'] / 1e12:.4g} TFLOP/s",
