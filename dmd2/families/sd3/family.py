@@ -58,6 +58,13 @@ def _refusal(error: Exception) -> ConfigError:
     return ConfigError(str(error))
 
 
+def table_dtype(config: DistillConfig) -> torch.dtype:
+    """The prepared prompt table's dtype: bf16 under `[train] mixed_precision = "bf16"`, half the bytes of fp32 on
+    every node, and the same model calls: every model takes the embeddings first into a layer that computes in bf16
+    (autocast, or the teacher's bf16 weights), which rounds fp32 ones to exactly these values."""
+    return torch.bfloat16 if config.train.mixed_precision == "bf16" else torch.float32
+
+
 @dataclass(frozen=True)
 class SD3Family(ModelFamily):
     name = "sd3"
@@ -145,6 +152,8 @@ class SD3Family(ModelFamily):
     def prepared_key(self, config: DistillConfig) -> str:
         prompts = read_prompts(config.data.prompts) + self.eval_prompts(config)
         key = prompts_digest(prompts, config.data.negative_prompt, encoder_fingerprint(config.model.teacher))
+        if table_dtype(config) != torch.float32:  # fp32 tables keep the key they had before tables were bf16
+            key = hashlib.sha256(f"{key} {table_dtype(config)}".encode()).hexdigest()
         images = self.real_images(config)
         if not images:  # without real images the key is the prompts' alone: earlier runs' tables stay valid
             return key
@@ -162,7 +171,8 @@ class SD3Family(ModelFamily):
         rows, caption_index = caption_rows(read_prompts(config.data.prompts) + self.eval_prompts(config),
                                            [image.caption for image in images])
         pipeline = load_text_pipeline(config.model.teacher).to(device)
-        prepared = {"prompts": encode_prompt_table(pipeline, rows, config.data.negative_prompt)}
+        table = encode_prompt_table(pipeline, rows, config.data.negative_prompt)
+        prepared = {"prompts": {name: embeds.to(table_dtype(config)) for name, embeds in table.items()}}
         del pipeline  # the text encoders leave the device before the VAE comes
         if images:
             vae = load_vae(config.model.teacher).to(device)
@@ -172,8 +182,8 @@ class SD3Family(ModelFamily):
 
     def bind(self, prepared: dict[str, dict[str, Tensor]], device: torch.device | str = "cpu") -> "SD3Family":
         """The real samples on ``device``; the prompt table in host memory whatever the device (every prompt's
-        embeddings, ~5.4 MB each in fp32 at SD3's widths): a model call moves only its batch's rows to the device
-        (`TableVelocity`), so a GPU holds O(batch) of conditioning for any number of prompts."""
+        embeddings, ~2.7 MB each in bf16 at SD3's widths, `table_dtype`): a model call moves only its batch's rows
+        to the device (`TableVelocity`), so a GPU holds O(batch) of conditioning for any number of prompts."""
         real = prepared.get("real")
         if real is not None:
             real = RealSamples(real["latents"].to(device), prompt_indices(real["prompt_index"].to(device)))

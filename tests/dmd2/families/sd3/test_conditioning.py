@@ -1,11 +1,14 @@
 """dmd2/families/sd3/conditioning.py: prompt indices expanded to SD3 embeddings, against explicit rows."""
 
+import copy
+
 import pytest
 import torch
 
 from dmd2.families.sd3.conditioning import NEGATIVE, PromptTable, TableVelocity, negative_indices, prompt_indices
 from dmd2.families.sd3.prompts import encode_prompt_table
 from dmd2.model import DiffusersVelocity, guided
+from dmd2.precision import Autocast
 from dmd2.schedule import cfg
 
 P, L, D, DP = 4, 5, 3, 6
@@ -135,3 +138,36 @@ def test_a_device_holds_only_its_batchs_rows_of_a_table_of_10000_prompts(sd3_dir
     assert v.shape == x_s.shape
     assert handed["encoder_hidden_states"].shape == (4, L, width) and handed["pooled_projections"].shape == (4, pooled)
     assert {handed[key].device.type for key in ("encoder_hidden_states", "pooled_projections")} == {"meta"}
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16], ids=["fp32 master weights", "bf16 teacher"])
+def test_a_bf16_table_makes_the_very_same_model_calls_under_bf16_mixed_precision(sd3_pipe, weights):
+    """The model's first layers compute in bf16 (autocast, or bf16 weights), so they round an fp32 table's rows to
+    exactly a bf16 table's: the calls are equal bit for bit, for half the table's bytes."""
+    table = encode_prompt_table(sd3_pipe, ["a cat", "a red dog"], "", max_sequence_length=8)
+    halved = {name: embeds.to(torch.bfloat16) for name, embeds in table.items()}
+    assert not torch.equal(halved["prompt_embeds"].float(), table["prompt_embeds"])  # bf16 did round something
+    transformer = copy.deepcopy(sd3_pipe.transformer).to(weights)
+    x_s, sigma = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([0.9, 0.5, 0.1])
+    index = prompt_indices(torch.tensor([1, NEGATIVE, 0]))
+    with torch.no_grad():
+        v = [Autocast(TableVelocity(DiffusersVelocity(transformer), PromptTable.from_tensors(t)), "cpu")(
+             x_s, sigma, index) for t in (table, halved)]
+    assert torch.equal(v[0], v[1])
+
+
+def test_prepare_stores_the_table_in_bf16_under_bf16_mixed_precision(sd3_dir, tmp_path):
+    from dmd2.config import config_from_dict
+    from dmd2.families.sd3.family import SD3Family
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\na red dog\n")
+    family = SD3Family()
+    configs = {precision: family.resolve(config_from_dict({
+        "model": {"family": "sd3", "teacher": str(sd3_dir)}, "data": {"prompts": str(prompts)},
+        "train": {"mixed_precision": precision}}), tmp_path) for precision in ("no", "bf16")}
+    tables = {precision: family.prepare(config)["prompts"] for precision, config in configs.items()}
+    for name, embeds in tables["no"].items():
+        assert embeds.dtype == torch.float32 and tables["bf16"][name].dtype == torch.bfloat16
+        assert torch.equal(tables["bf16"][name], embeds.to(torch.bfloat16))
+    assert family.prepared_key(configs["no"]) != family.prepared_key(configs["bf16"])
