@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import sys
 import tempfile
@@ -250,47 +251,61 @@ def run(args: argparse.Namespace, write) -> dict:
     teacher = build_teacher(shapes()[args.shape], folder)
     prompts = args.workdir / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    prepared, plans = None, {}  # plans by the settings they depend on: variants share them
+    shared = {"plans": {}}  # what variants share: the prompts' encoding, plans by the settings they depend on
     for variant in args.variants:
-        train, sleep = VARIANTS[variant]
         figures = result["variants"][variant] = {}
         try:
-            config = recipe(teacher, prompts, args, train)
+            config = recipe(teacher, prompts, args, VARIANTS[variant][0])
             family = family_for(config.model)
             family.check(config)
             config = family.resolve(config, args.cache)
             if "attention" not in result:
-                spec = family.run_spec(config, args.cache)
+                shape = family.run_spec(config, args.cache).sample_shape
                 dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-                result["attention"] = attention_op(device, shapes()[args.shape].transformer, spec.sample_shape, dtype)
-            memory = config.replace("train", **{name: value for name, value in NOT_IN_THE_PLAN.items()
-                                                if hasattr(config.train, name)})
-            if repr(memory) not in plans:
-                progress(f"{variant}: planning (dmd2 plan on fake tensors)")
-                plans[repr(memory)] = plan_memory(family.plan_spec(memory)).to_dict()
-            figures["plan"] = plans[repr(memory)]
+                result["attention"] = attention_op(device, shapes()[args.shape].transformer, shape, dtype)
+            figures["plan"] = planned(config, shared["plans"], variant)
             write(result)
-            if prepared is None:
+            if "prepared" not in shared:
                 progress("encoding the prompts (once)")
-                prepared = family.prepare(config)
-
-            def report(key: tuple, value, figures=figures) -> None:
-                at = figures
-                for part in key[:-1]:
-                    at = at.setdefault(str(part), {})
-                at[key[-1]] = value
-                write(result)
-                if isinstance(value, dict):
-                    progress(f"{variant}, rollout {key[1]}, {key[2]}: {value['compute_s']:.3f} s compute")
-
-            measure_variant(config, prepared, sleep, device, args, report)
+                shared["prepared"] = family.prepare(config)
+            measure_variant(config, shared["prepared"], VARIANTS[variant][1], device, args,
+                            reporter(result, variant, write))
         except Exception as error:  # one variant failing (out of memory, say) leaves the others' figures
             figures["error"] = f"{type(error).__name__}: {error}"
             progress(f"{variant} failed: {figures['error']}")
             write(result)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        gc.collect()  # after the except block: until it ends, a failure's traceback holds the variant's tensors
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return result
+
+
+def planned(config: DistillConfig, plans: dict, variant: str) -> dict:
+    """`dmd2 plan`'s figures for ``config`` (one plan per set of the settings it depends on), or {"error": ...}:
+    a plan that fails leaves the measurement to go on."""
+    memory = config.replace("train", **{name: value for name, value in NOT_IN_THE_PLAN.items()
+                                        if hasattr(config.train, name)})
+    if repr(memory) not in plans:
+        progress(f"{variant}: planning (dmd2 plan on fake tensors)")
+        try:
+            plans[repr(memory)] = plan_memory(family_for(memory.model).plan_spec(memory)).to_dict()
+        except Exception as error:
+            plans[repr(memory)] = {"error": f"{type(error).__name__}: {error}"}
+            progress(f"{variant}: the plan failed: {plans[repr(memory)]['error']}")
+    return plans[repr(memory)]
+
+
+def reporter(result: dict, variant: str, write):
+    """``report(key, value)`` for `measure_variant`: the figure into the variant's part of ``result``, written."""
+    def report(key: tuple, value) -> None:
+        at = result["variants"][variant]
+        for part in key[:-1]:
+            at = at.setdefault(str(part), {})
+        at[key[-1]] = value
+        write(result)
+        if isinstance(value, dict):
+            progress(f"{variant}, rollout {key[1]}, {key[2]}: {value['compute_s']:.3f} s compute")
+    return report
 
 
 def progress(line: str) -> None:
