@@ -54,7 +54,7 @@ from dmd2.families.sd3.published import SD35_MEDIUM, TEXT_TOKENS  # noqa: E402
 from dmd2.family import family_for  # noqa: E402
 from infra.trainers.memory_plan import Parking, gpu_models, plan_memory, rehearse  # noqa: E402
 from infra.trainers.offload import HostCopy, own_storage  # noqa: E402
-from infra.trainers.parallel import free_port  # noqa: E402
+from infra.trainers.parallel import free_port, use_device  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "sd35-medium-4step.toml"
 PROMPTS = ["a photo of a cat", "a red dog", "a blue sign", "the cat on the sign", "a dog on the sign",
@@ -225,6 +225,7 @@ def measure_variant(config: DistillConfig, prepared: dict, sleep: bool, device: 
     def load(path: str, dtype: torch.dtype | None):
         return own_storage(bound.load_model(path, dtype).to(device))
 
+    use_device(device)  # as a rank does: TF32 for fp32 matmuls
     with world_of_one(device):
         gpu = gpu_models(spec, load, device=device)
         parking = HostCopies() if sleep else Resident()

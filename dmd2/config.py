@@ -130,7 +130,8 @@ class TrainConfig:
     save_interval: int = option(0, "Checkpoint every this many rollouts; 0: only at the end.")
     eval_interval: int = option(0, "Evaluate every this many rollouts; 0: only at the end.")
     mixed_precision: str = option("no", "`bf16`: bf16 compute with fp32 master weights and optimizer state, the "
-                                        "frozen teacher held in bf16; `no`: fp32 throughout.")
+                                        "frozen teacher held in bf16; `no`: fp32 throughout. On a GPU fp32 matmuls run in "
+                                        "TF32.")
     parallel: str = option("ddp", "`ddp`: every rank holds the whole model, gradients averaged; `fsdp`: FSDP2 shards "
                                   "parameters, gradients and optimizer state over the ranks, block by block (for "
                                   "models that do not fit a GPU several times over); `hsdp`: FSDP2 shards over each "
@@ -141,6 +142,9 @@ class TrainConfig:
     activation_checkpointing: bool = option(False, "Recompute each block's activations in backward instead of "
                                                    "keeping them (diffusers' gradient checkpointing): less memory, "
                                                    "about a third more compute per step.")
+    compile: bool = option(False, "Compile each transformer block with torch.compile (as torchtitan does): fused "
+                                  "kernels, faster steps once compiled; the first rollouts pay the compilation "
+                                  "(minutes at full size). On CPU it needs a C++ compiler.")
     sleep: str = option("always", "`always`: a group parks its weights and optimizer state in host memory after its "
                                   "stage, and the teacher is on the device only while scoring (one group's state on a "
                                   "GPU at a time); `never`: everything stays resident (no copies); `auto`: `never` "

@@ -25,7 +25,6 @@ from dmd2.critic import training_sigma
 from dmd2.draws import Device, RolloutDraws
 from dmd2.model import Cond, VelocityFn, cat_cond, cond_rows
 from dmd2.schedule import add_noise
-from dmd2.tensors import figure
 
 HEAD_NAME = "gan_head"  # the head's name as a submodule of the critic (its state-dict prefix)
 
@@ -179,12 +178,12 @@ class WithRealRows:
         return v[:n]
 
 
-def discriminator_loss(logits_real: Tensor, logits_fake: Tensor) -> tuple[Tensor, dict[str, float]]:
+def discriminator_loss(logits_real: Tensor, logits_fake: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """L_D = mean_b softplus(-D(x_real_b)) + mean_b softplus(D(x_fake_b)) (tianweiy/DMD2
     `compute_guidance_cls_loss`); logits [B] each. Returns (scalar loss, its value and both logits' means)."""
     loss = F.softplus(-logits_real.float()).mean() + F.softplus(logits_fake.float()).mean()
-    return loss, {"gan_d_loss": figure(loss), "gan_logit_real": figure(logits_real.float().mean()),
-                  "gan_logit_fake": figure(logits_fake.float().mean())}
+    return loss, {"gan_d_loss": loss.detach(), "gan_logit_real": logits_real.detach().float().mean(),
+                  "gan_logit_fake": logits_fake.detach().float().mean()}
 
 
 def generator_loss(logits_fake: Tensor) -> Tensor:

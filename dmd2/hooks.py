@@ -34,7 +34,7 @@ def scored_pairs(ctx: HookContext, pairs: TrainPairs, step: int = 0) -> TrainPai
 
 def critic_loss_hook(
     ctx: HookContext, critic: VelocityFn, batch: TrainPairs, step: int
-) -> tuple[Tensor, dict[str, float], ScoringInputs | None]:
+) -> tuple[Tensor, dict[str, Tensor], ScoringInputs | None]:
     """The critic's flow-matching loss, plus `critic_gan_weight` L_D (`dmd2.gan`) from the same forward with noised
     real rows appended; the last step also keeps the scoring inputs (fused or original)."""
     plan, dmd2, draws = ctx.plan, ctx.dmd2, ctx.plan.draws
@@ -89,7 +89,7 @@ def last_kept(ctx: HookContext, kept: list[Any]) -> ScoringInputs:
 
 def actor_loss_hook(
     ctx: HookContext, student: VelocityFn, batch: TrainPairs, step: int
-) -> tuple[Tensor, dict[str, float], None]:
+) -> tuple[Tensor, dict[str, Tensor], None]:
     """The DMD loss against the paired critic rank's scores (`ctx.external_data["critic"]`)."""
     loss, diagnostics = actor_loss(student, batch, ctx.external_data["critic"], ctx.dmd2.gan_weight)
     return loss, diagnostics, None

@@ -4,7 +4,9 @@ import math
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from dmd2.failures import NonFiniteError
 from dmd2.tensors import figure, on_host
@@ -15,11 +17,19 @@ GatherFigures = Callable[[Tensor], Tensor]
 
 def make_optimizer(
     params, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int,
-    decay_steps: int = 0, total_steps: int = 0,
+    decay_steps: int = 0, total_steps: int = 0, fused: bool | None = None,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW (the reference's optimizer) with a linear warmup to `lr`, constant, then, over the last
-    `decay_steps` of `total_steps`, a linear decay towards 0 (warmup-stable-decay)."""
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    `decay_steps` of `total_steps`, a linear decay towards 0 (warmup-stable-decay).
+
+    ``fused`` (default: when every parameter is on a GPU): one kernel per step instead of a launch per tensor
+    group, and a step `optimizer_step` issues without waiting for its figures (it skips itself on the device
+    where they are not finite). Elsewhere the default is AdamW's own (foreach), the arithmetic runs have always had.
+    """
+    params = list(params)
+    if fused is None:
+        fused = bool(params) and all(param.device.type == "cuda" for param in params)
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, warmup_steps, decay_steps, total_steps)
     )
@@ -47,25 +57,49 @@ def optimizer_step(
     """Backward, clip, step; returns {loss, grad_norm (before clipping), lr (the lr this step used)}.
 
     A loss or gradient norm that is not finite on any rank (`gather` collects every rank's, so all
-    ranks decide alike) raises `NonFiniteError` before the step: weights and optimizer state stay as
-    they were. Clipping would not save such a step: it scales a NaN gradient to NaN.
+    ranks decide alike) raises `NonFiniteError`, and weights and optimizer state stay as they were.
+    Clipping would not save such a step: it scales a NaN gradient to NaN.
+
+    A fused AdamW (on a GPU, `make_optimizer`) steps before the figures are read, so nothing between the
+    stage's forward and its update waits for the host: the finite check runs on the device, as the step's
+    `found_inf` (the flag torch's GradScaler gives fused optimizers), which skips the update in the kernel.
+    Otherwise the figures are read and checked first, and the step follows only if they are finite.
     """
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     max_norm = grad_clip if grad_clip else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    loss_value, norm_value = figure(loss), figure(grad_norm)
+    lr = optimizer.param_groups[0]["lr"]
+    fused = bool(optimizer.defaults.get("fused"))
+    if fused:
+        optimizer.found_inf = _not_finite_on_any_rank(loss, grad_norm)
+        optimizer.step()
+    loss_value, norm_value = figure(loss), figure(grad_norm)  # the step's one wait for the device
     with on_host():  # figures on the host: every rank's, when a data-parallel group gathers them
         figures = torch.tensor([loss_value, norm_value], dtype=torch.float64)
         every_rank = gather(figures) if gather is not None else figures[None]
         finite = bool(torch.isfinite(every_rank).all())
-    if not finite:
+    if not finite:  # a fused step skipped itself on the device
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteError(_describe(every_rank))
-    lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
+    if not fused:
+        optimizer.step()
     scheduler.step()
     return {"loss": loss_value, "grad_norm": norm_value, "lr": lr}
+
+
+def _not_finite_on_any_rank(loss: Tensor, grad_norm: Tensor) -> Tensor:
+    """1.0 where this rank's loss or the gradient norm is not finite on any rank, else 0.0: on the device, with
+    no wait for the host (a data-parallel group all-reduces it on its own backend, as its gradients)."""
+    flag = (~(torch.isfinite(loss.detach()) & torch.isfinite(_whole(grad_norm)))).float()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    """A DTensor's whole value (FSDP2's gradient norm is one, replicated on every rank), else the tensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _describe(every_rank: Tensor) -> str:

@@ -4,7 +4,9 @@ What makes a group a DMD2 critic or a DMD2 actor is its hooks (`dmd2.hooks`):
 
     train_input(ctx, pairs) -> pairs                        reshape a group's pairs before batching
     prepare(ctx, pairs, step) -> batch                      the pairs of optimizer step `step`
-    loss(ctx, model, batch, step) -> (loss, metrics, keep)  one step's loss; `keep` feeds train_output
+    loss(ctx, model, batch, step) -> (loss, metrics, keep)  one step's loss and metrics (one-element tensors, read
+                                                            once the step is issued, or numbers); `keep` feeds
+                                                            train_output
     train_output(ctx, kept) -> output                       no grad, after the steps; the group's output
 
 `ctx` is rollout-level and read-only (`HookContext`); what changes per step (the step index, what a
@@ -24,6 +26,7 @@ from dmd2.model import DiffusersVelocity, VelocityFn
 from dmd2.failures import NonFiniteError
 from dmd2.optim import GatherFigures, make_optimizer, optimizer_step
 from dmd2.plan import RolloutPlan
+from dmd2.tensors import figure
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class TrainState:
 class Hooks:
     """A group's four hooks (see the module docstring for their signatures)."""
 
-    loss: Callable[[HookContext, VelocityFn, TrainPairs, int], tuple[Tensor, dict[str, float], Any]]
+    loss: Callable[[HookContext, VelocityFn, TrainPairs, int], tuple[Tensor, dict[str, Tensor | float], Any]]
     prepare: Callable[[HookContext, TrainPairs, int], TrainPairs]
     train_input: Callable[[HookContext, TrainPairs], TrainPairs] = lambda ctx, pairs: pairs
     train_output: Callable[[HookContext, list[Any]], Any] = lambda ctx, kept: None
@@ -94,7 +97,8 @@ def train_steps(
             raise NonFiniteError(f"optimizer step {step + 1} of {num_steps}: {error}") from None
         if state.ema is not None:
             state.ema.update()
-        metrics.append(stepped | step_metrics)
+        metrics.append(stepped | {name: figure(value) if isinstance(value, Tensor) else value  # a hook's own: a number
+                                  for name, value in step_metrics.items()})
         kept.append(keep)
     with torch.no_grad():
         return metrics, hooks.train_output(ctx, kept)

@@ -19,7 +19,7 @@ from dmd2.lora import with_role_adapters
 from dmd2.model import VelocityFn
 from dmd2.precision import in_run_precision
 from infra.trainers.configs import TrainerConfig
-from infra.trainers.parallel import fsdp, shard_mesh
+from infra.trainers.parallel import compile_blocks, fsdp, shard_mesh
 
 
 def role_model(model: nn.Module, family: ModelFamily, trainer: TrainerConfig, config: DistillConfig) -> nn.Module:
@@ -34,11 +34,13 @@ def role_model(model: nn.Module, family: ModelFamily, trainer: TrainerConfig, co
 
 def held_model(model: nn.Module, config: DistillConfig, mesh: DeviceMesh | None = None) -> nn.Module:
     """The trained model on its device as `[train]` holds it: activations recomputed in backward (diffusers' own
-    gradient checkpointing) and, with `parallel = "fsdp"` or `"hsdp"`, sharded over ``mesh`` (default: the process
-    group)."""
+    gradient checkpointing), each block compiled (`compile`) and, with `parallel = "fsdp"` or `"hsdp"`, sharded over
+    ``mesh`` (default: the process group)."""
     train = config.train
     if train.activation_checkpointing:
         model.enable_gradient_checkpointing()
+    if train.compile:
+        compile_blocks(model)
     return fsdp(model, train.mixed_precision == "bf16", mesh) if train.parallel in SHARDED else model
 
 

@@ -25,6 +25,7 @@ import socket
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -67,6 +68,14 @@ def rank_device(role: str, rank: int, promised_gpus: float) -> torch.device:
     return torch.device("cuda", 0)
 
 
+def use_device(device: torch.device) -> None:
+    """Make ``device`` this process's GPU, its fp32 matmuls in TF32 (the fp32 parts of a bf16 run, and an fp32 run:
+    tensor cores, at a 10-bit mantissa, as large trainers run); nothing on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")
+
+
 def ddp(model: nn.Module, device: torch.device) -> nn.Module:
     """The DDP wrapper of ``model``: gradients averaged over ranks in backward.
 
@@ -93,6 +102,23 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     if names:
         return [module for module in model.modules() if type(module).__name__ in names]
     return [unit for child in model.children() if isinstance(child, nn.ModuleList) for unit in child]
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """Compile each of `shard_units` in place (`nn.Module.compile`), as torchtitan does: a block's graph is small,
+    the same for every block, and is compiled once; inside checkpointing (compiled in the recomputation too) and
+    under FSDP2 (whose gathers stay outside the graphs: the blocks are sharded after). A model on fake tensors
+    (`dmd2 plan`'s) stays eager: nothing can be compiled for values that do not exist."""
+    if any(is_fake(param) for param in model.parameters()):
+        return
+    for block in shard_units(model):
+        block.compile(options=COMPILE_OPTIONS)
+
+
+# Inductor's layout optimization (convolutions in channels-last) gives diffusers' UpBlock2D zero gradients for
+# everything before its upsampler on torch 2.13's CPU (found by tests/infra/trainers/test_compile.py); transformer
+# blocks hold no convolutions, so it costs them nothing.
+COMPILE_OPTIONS = {"layout_optimization": False}
 
 
 def mesh_shape(train: TrainConfig) -> tuple[int, ...]:

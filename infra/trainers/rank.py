@@ -37,7 +37,7 @@ from infra.trainers.collective import gather_rows, on_every_rank, on_rank0
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.models import held_model, rank_velocity, role_model, sharded_from_rank0
 from infra.trainers.offload import HostCopy, module_tensors, own_storage, sleeping_tensors
-from infra.trainers.parallel import ddp, free_port, rank_device, replicated
+from infra.trainers.parallel import ddp, free_port, rank_device, replicated, use_device
 from infra.trainers.payloads import get_record, put_record
 from infra.trainers.prepare import load_prepared
 from infra.store import ArtifactRef, ArtifactStore
@@ -108,8 +108,7 @@ class RankWorker(StudentOutputs):
         group sharing this process (`infra.trainers.group.RankProcess`) has joined it already: the groups share
         their world size, so one process group serves them all (their stages never overlap)."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        use_device(self.device)
         if not dist.is_initialized():
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,

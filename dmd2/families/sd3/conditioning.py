@@ -62,23 +62,19 @@ class PromptTable:
     def cond(self, prompt_index: Tensor) -> Cond:
         """The transformer's conditioning of prompts [B] (int64 in [0, P), or NEGATIVE for the negative prompt)."""
         index = prompt_index.long()
-        if is_fake(index):  # `dmd2 plan`: no values to check, and which rows are negative changes no memory
-            negative = torch.zeros(0, dtype=torch.long)
-        elif index.device.type == "cpu":
-            # Indices made on the host are checked there, and their rows picked there (`on_host`); on a GPU the
-            # check would synchronize every model call (one out of range there still fails in the lookup).
+        if index.device.type == "cpu" and not is_fake(index):  # `dmd2 plan`'s fake ones hold no values to check
+            # Indices made on the host are checked there (`on_host`); on a GPU the check would synchronize every
+            # model call (one out of range there still fails in the lookup).
             with on_host():
                 bad = (index < NEGATIVE) | (index >= len(self))
                 if bad.any():
                     raise IndexError(f"prompt index {index[bad][0].item()} is outside the table of {len(self)} "
                                      f"prompts (valid: 0..{len(self) - 1}, or {NEGATIVE} for the negative prompt)")
-                negative = (index == NEGATIVE).nonzero().squeeze(1)
-        else:
-            negative = index == NEGATIVE
         device = self.prompt_embeds.device
-        rows, negative = index.clamp(min=0).to(device), negative.to(device)  # negative rows: overwritten below
-        embeds, pooled = self.prompt_embeds[rows], self.pooled_prompt_embeds[rows]
-        embeds[negative], pooled[negative] = self.negative_prompt_embeds, self.negative_pooled_prompt_embeds
+        rows, negative = index.clamp(min=0).to(device), (index == NEGATIVE).to(device)
+        # The negative prompt's rows by `torch.where`, not a boolean-mask assignment: that one waits for the GPU.
+        embeds = torch.where(negative[:, None, None], self.negative_prompt_embeds, self.prompt_embeds[rows])
+        pooled = torch.where(negative[:, None], self.negative_pooled_prompt_embeds, self.pooled_prompt_embeds[rows])
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
 
     def neg_cond(self, n: int) -> Cond:
