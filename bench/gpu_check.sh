@@ -63,6 +63,6 @@ timeout 300 $WITHOUT_SERVERS bench/gpu.py --workdir "${WORKDIR:-/tmp/dmd2-gpu}" 
 note "bench/gpu.py: exit $?"
 
 timeout 150 $WITHOUT_SERVERS -m pytest -m gpu -q -p no:cacheprovider tests/bench/test_gpu_bench.py \
-    tests/dmd2/test_on_device.py tests/dmd2/test_step_syncs.py tests/infra/trainers/test_compile.py 2>&1 \
+    tests/dmd2/test_on_device.py tests/dmd2/test_step_syncs.py tests/dmd2/test_compile.py 2>&1 \
     | tee "$OUT/pytest.txt"
 note "gpu tests: exit $?"

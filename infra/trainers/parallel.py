@@ -116,7 +116,7 @@ def compile_blocks(model: nn.Module) -> None:
 
 
 # Inductor's layout optimization (convolutions in channels-last) gives diffusers' UpBlock2D zero gradients for
-# everything before its upsampler on torch 2.13's CPU (found by tests/infra/trainers/test_compile.py); transformer
+# everything before its upsampler on torch 2.13's CPU (found by tests/dmd2/test_compile.py); transformer
 # blocks hold no convolutions, so it costs them nothing.
 COMPILE_OPTIONS = {"layout_optimization": False}
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 WITHOUT_SERVERS = [sys.executable, str(REPO / "tests" / "bench" / "absent_packages.py")]
 ROWS = (*STAGES, "between stages", "whole rollout")
 GPU_TEST_FILES = ["tests/bench/test_gpu_bench.py", "tests/dmd2/test_on_device.py", "tests/dmd2/test_step_syncs.py",
-                  "tests/infra/trainers/test_compile.py"]
+                  "tests/dmd2/test_compile.py"]
 # The device path's torch calls newer than the GPU image's torch 2.11 (seen failing there), each with the one
 # place allowed to use it: a guard that falls back on 2.11's spelling.
 NEWER_THAN_TORCH_2_11 = {"forward_sync_buffers": "infra/trainers/parallel.py"}

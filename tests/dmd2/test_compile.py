@@ -24,7 +24,7 @@ from dmd2.trainer import HookContext, train_state, train_steps
 from infra.trainers.models import held_model
 from infra.trainers.parallel import shard_units
 
-RECIPE = Path(__file__).parents[3] / "recipes" / "digits-1step.toml"
+RECIPE = Path(__file__).parents[2] / "recipes" / "digits-1step.toml"
 SAMPLE_SHAPE = (1, 8, 8)
 
 
