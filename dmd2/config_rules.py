@@ -60,6 +60,10 @@ def validate(config: "DistillConfig") -> None:
            f"[train] world_size ({train.world_size}) must be a multiple of shard_group_size "
            f"({train.shard_group_size}) with parallel = \"hsdp\": set shard_group_size to the GPUs of one node")
     _check(train.sleep in SLEEPS, f"[train] sleep must be one of {SLEEPS}, got {train.sleep!r}")
+    _check(not (train.compile and train.activation_checkpointing),
+           "[train] compile does not work with activation_checkpointing yet: the recomputation of a compiled block "
+           "meets a recompiled graph (torch.utils.checkpoint's CheckpointError, pytorch/pytorch#166926); set one "
+           "of them to false")
     cluster = config.cluster
     _check(cluster.gpus_per_rank is None or cluster.gpus_per_rank >= 0,
            f"[cluster] gpus_per_rank must be >= 0 (0: CPU ranks), got {cluster.gpus_per_rank}")

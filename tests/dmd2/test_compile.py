@@ -103,3 +103,10 @@ def test_on_cuda_compiled_critic_steps_give_the_eager_losses_within_bf16_toleran
             metrics, _ = train_steps(state, CRITIC_HOOKS, ctx, pairs, 3)
         losses[compile] = [step["loss"] for step in metrics]
     assert losses[True] == pytest.approx(losses[False], rel=2e-2)  # bf16's 8-bit mantissa, over three steps
+
+
+def test_compile_with_activation_checkpointing_is_refused_naming_both_options():
+    from dmd2.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\[train\] compile .* activation_checkpointing"):
+        load_recipe(RECIPE, {"train": {"compile": True, "activation_checkpointing": True}})
