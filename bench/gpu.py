@@ -66,7 +66,7 @@ PEAK_BF16 = {"H200 NVL": None, "H200": 989e12, "H100 80GB HBM3": 989e12, "H100 S
 # no tensor it holds), at the values its cache key takes
 NOT_IN_THE_PLAN = {"sleep": "always", "compile": False}
 # name -> ([train] settings over the recipe's, whether groups sleep)
-VARIANTS = {"sleep": ({}, True), "no-sleep": ({"sleep": "never"}, False), "compile": ({"compile": True, "activation_checkpointing": False}, True),  # the two do not combine yet (config_rules)
+VARIANTS = {"sleep": ({}, True), "no-sleep": ({"sleep": "never"}, False), "compile": ({"compile": True, "activation_checkpointing": False}, True),  # not both yet
             "no-checkpointing": ({"activation_checkpointing": False}, True)}
 
 
