@@ -66,7 +66,9 @@ PEAK_BF16 = {"H200 NVL": None, "H200": 989e12, "H100 80GB HBM3": 989e12, "H100 S
 # no tensor it holds), at the values its cache key takes
 NOT_IN_THE_PLAN = {"sleep": "always", "compile": False}
 # name -> ([train] settings over the recipe's, whether groups sleep)
-VARIANTS = {"sleep": ({}, True), "no-sleep": ({"sleep": "never"}, False), "compile": ({"compile": True, "activation_checkpointing": False}, True),  # not both yet
+# compile turns checkpointing off: the two do not combine yet (dmd2/config_rules.py)
+VARIANTS = {"sleep": ({}, True), "no-sleep": ({"sleep": "never"}, False),
+            "compile": ({"compile": True, "activation_checkpointing": False}, True),
             "no-checkpointing": ({"activation_checkpointing": False}, True)}
 
 
