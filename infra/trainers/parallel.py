@@ -106,9 +106,10 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 def compile_blocks(model: nn.Module) -> None:
     """Compile each of `shard_units` in place (`nn.Module.compile`), as torchtitan does: a block's graph is small,
-    the same for every block, and is compiled once; inside checkpointing (compiled in the recomputation too) and
-    under FSDP2 (whose gathers stay outside the graphs: the blocks are sharded after). A model on fake tensors
-    (`dmd2 plan`'s) stays eager: nothing can be compiled for values that do not exist."""
+    the same for every block, and is compiled once; under FSDP2 its gathers stay outside the graphs (the blocks are
+    sharded after). Not with activation checkpointing (refused by `dmd2.config_rules`: the recomputation meets a
+    recompiled graph). A model on fake tensors (`dmd2 plan`'s) stays eager: nothing can be compiled for values that
+    do not exist."""
     if any(is_fake(param) for param in model.parameters()):
         return
     for block in shard_units(model):
