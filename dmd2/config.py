@@ -192,15 +192,25 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Evaluation of the student (the family's: the digits yardstick, or SD3's sample grid)."""
+    """Evaluation of the student (the family's: the digits yardstick, or SD3's distances, diversity and grid)."""
 
     num_samples: int = option(1000, "Digits: samples generated per evaluation (balanced over classes).")
     reference_steps: int = option(32, "Euler steps of the teacher's reference samples (digits: fidelity FD; "
-                                      "SD3: the teacher's grid).")
-    prompts: tuple[str, ...] = option((), "SD3: the fixed prompts of the sample grid; default: the first four "
-                                          "of [data] prompts.")
+                                      "SD3: what the KIDs compare the student's samples with, and the teacher's "
+                                      "grid).")
+    prompts: tuple[str, ...] = option((), "SD3: the fixed eval prompts (each sampled `samples_per_prompt` "
+                                          "times); default: the first four of [data] prompts.")
     clip_model: str = option("", "SD3: a transformers CLIPModel directory (or hub id); set, the mean CLIP "
                                  "score of the student's eval samples is logged too.")
+    feature_model: str = option("", "SD3: the vision model whose features the distance to the teacher's samples "
+                                    "(`eval/kid_teacher`, then the gate) and the diversity are computed on: a "
+                                    "transformers CLIPModel or DINOv2 directory (or hub id) with its image "
+                                    "processor, or `builtin:digits` (the digits classifier, on the pictures "
+                                    "area-downsampled to 8 x 8 grey; adds `eval/prompt_accuracy`). Unset: no "
+                                    "feature-space distance; the model-free pixel KID (`eval/pixel_kid_teacher`, "
+                                    "always logged) is the gate and diversity is measured on pixels.")
+    samples_per_prompt: int = option(4, "SD3: each eval prompt is sampled from this many noises (the same ones "
+                                        "every evaluation), so that the student's diversity can be measured; >= 2.")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD")  # [cluster] placemen
 PARALLELISMS = ("ddp", "fsdp", "hsdp")  # [train] parallel
 SHARDED = ("fsdp", "hsdp")  # the parallelisms under which a rank holds shards (FSDP2)
 SLEEPS = ("always", "never", "auto")  # [train] sleep
+BUILTIN_FEATURE_MODELS = ("builtin:digits",)  # [eval] feature_model: the built-in ones (else a model directory)
 
 
 class ConfigError(ValueError):
@@ -80,6 +81,7 @@ def validate(config: "DistillConfig") -> None:
     _check(train.rollout_batch_size % train.world_size == 0,
            f"[train] rollout_batch_size ({train.rollout_batch_size}) must split evenly over "
            f"world_size ({train.world_size}) ranks")
+    _validate_eval(config)
     if train.loss_type == "dmd2":
         _validate_dmd2(config)
     else:
@@ -88,6 +90,17 @@ def validate(config: "DistillConfig") -> None:
         _check(optim.critic_lr is None, "[optim] critic_lr is read only under DMD2 (there is no critic): remove it")
         _check(config.model.critic_load is None,
                "[model] critic_load is read only under DMD2 (there is no critic): remove it")
+
+
+def _validate_eval(config: "DistillConfig") -> None:
+    evaluation = config.eval
+    _check(evaluation.samples_per_prompt >= 2,
+           f"[eval] samples_per_prompt must be >= 2 (noises per eval prompt: diversity compares a prompt's samples "
+           f"with each other), got {evaluation.samples_per_prompt}")
+    model = evaluation.feature_model
+    _check(not model.startswith("builtin:") or model in BUILTIN_FEATURE_MODELS,
+           f"[eval] feature_model = {model!r} is no built-in feature model: use one of {BUILTIN_FEATURE_MODELS}, a "
+           "transformers CLIP or DINOv2 directory or hub id, or leave it unset (the model-free pixel KID only)")
 
 
 def _validate_lora(config: "DistillConfig") -> None:

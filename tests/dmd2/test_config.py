@@ -1,7 +1,7 @@
 import pytest
 
-from dmd2.config import (ConfigError, DistillConfig, DMD2Config, ModelConfig, OptimConfig, StudentConfig, TrainConfig,
-                         config_from_dict, load_recipe)
+from dmd2.config import (ConfigError, DistillConfig, DMD2Config, EvalConfig, ModelConfig, OptimConfig, StudentConfig,
+                         TrainConfig, config_from_dict, load_recipe)
 
 
 def valid(**sections):
@@ -41,6 +41,8 @@ def test_a_valid_config_passes_and_derives_b_and_critic_lr():
     (dict(train=TrainConfig(rollout_batch_size=40, shard_group_size=0)), r"\[train\] shard_group_size must be >= 1"),
     (dict(train=TrainConfig(rollout_batch_size=40, world_size=4, parallel="hsdp", shard_group_size=3)),
      r"\[train\] world_size \(4\) must be a multiple of shard_group_size \(3\)"),
+    (dict(eval=EvalConfig(samples_per_prompt=1)), r"\[eval\] samples_per_prompt must be >= 2"),
+    (dict(eval=EvalConfig(feature_model="builtin:dino")), r"\[eval\] feature_model = 'builtin:dino' is no built-in"),
 ])
 def test_each_invalid_config_is_rejected_naming_the_option(sections, option):
     with pytest.raises(ConfigError, match=option):
