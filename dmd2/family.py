@@ -56,11 +56,14 @@ class Registration:
     # own `claims` and `check` are these functions.
     checks: str
     commands: str | None = None  # "module:NAME", the family's CLI commands (a list of `Command`), light too
+    # "module:Class", a judge of RGB pictures the family offers other families' evaluators: `[eval] feature_model =
+    # "builtin:<family>"` (`Class.load(cache_dir)`, then `features(images)` and `classify(images)`).
+    judge: str | None = None
 
 
 FAMILIES = {
     "digits": Registration("dmd2.families.digits.family:DigitsFamily", "dmd2.families.digits.checks",
-                           "dmd2.families.digits.commands:COMMANDS"),
+                           "dmd2.families.digits.commands:COMMANDS", judge="dmd2.families.digits.judge:DigitsJudge"),
     "sd3": Registration("dmd2.families.sd3.family:SD3Family", "dmd2.families.sd3.checks"),
 }
 
@@ -295,6 +298,15 @@ def family_checks(name: str) -> ModuleType:
 def family_commands(name: str) -> list[Command]:
     commands = _registration(name).commands
     return list(pkgutil.resolve_name(commands)) if commands else []
+
+
+def family_judge(name: str) -> type:
+    """The picture judge family ``name`` offers (`Registration.judge`): how another family's evaluator reads pictures
+    with it (`[eval] feature_model = "builtin:<name>"`) without importing that family's code."""
+    judge = _registration(name).judge
+    if judge is None:
+        raise ConfigError(f"[eval] feature_model = 'builtin:{name}': the {name} family offers no picture judge")
+    return pkgutil.resolve_name(judge)
 
 
 def family_name(model: ModelConfig) -> str:
