@@ -1,10 +1,24 @@
-"""The SD3 family's evaluation: the student's samples of the eval prompts, decoded into one grid.
+"""The SD3 family's evaluation: how close the student's samples are, as a distribution, to the teacher's many-step
+ones, how varied they are, and a grid of them.
 
-Every evaluation uses the same noise (seeded), so grids of successive evaluations compare picture by
-picture. Scores: `eval/latent_mse_teacher`, the mean squared distance of the student's latents to the
-teacher's own many-step guided latents from the same noise (fidelity: lower is closer to the teacher),
-and with `[eval] clip_model` the mean CLIP score (100 * cosine of image and prompt embeddings, at
-least 0; Hessel et al. 2021). The teacher's grid of the same prompts is the reference media.
+The eval set is the eval prompts, each sampled from `[eval] samples_per_prompt` noises (row k P + p: prompt p of P,
+noise k), the same seeded noise every evaluation, so that grids of successive evaluations compare picture by
+picture. Scores, each of the decoded pictures (docs/architecture.md, "The SD3 evaluation"):
+
+- `eval/pixel_kid_teacher`: KID (dmd2/metrics.py) between the student's pictures and the teacher's reference ones
+  (`[eval] reference_steps` guided Euler steps from the same noise) on pixels area-downsampled to 32 x 32: the
+  model-free judge, always reported;
+- `eval/kid_teacher`: the same KID in `[eval] feature_model`'s features, when one is set;
+- `eval/distance_teacher`: the gate (`SD3Family.gate_metric`), the feature KID when a feature model is set, else the
+  pixel KID;
+- `eval/diversity`: the mean over prompts of the mean distance between a prompt's samples (in the feature model's
+  space, else pixels), and `eval/diversity_ratio`, it over the teacher's reference samples' own: ~1 healthy, ~0 for
+  a collapsed student (the same picture from every noise);
+- `eval/clip_score` with `[eval] clip_model`; `eval/prompt_accuracy` with a judge that reads digits
+  (`builtin:digits`): the fraction of samples read as the digit their prompt names.
+
+Distances between sets, not the latent distance to the teacher's sample of the same noise: DMD matches the
+teacher's distribution, not its trajectories, so a good student may draw another good picture from that noise.
 
 Every model runs on the evaluating rank's device. The teacher is loaded once per evaluator for its two sets of
 samples (`teacher_samples`), which the rank stores and hands to the evaluator of a later rank process of the same
@@ -13,61 +27,76 @@ run (`references`, `with_references`), so a run samples the teacher's many-step 
 
 import hashlib
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from dmd2.config import DistillConfig
-from dmd2.family import Evaluation
+from dmd2.family import Evaluation, default_cache_dir
 from dmd2.families.sd3.conditioning import negative_indices, prompt_indices
+from dmd2.families.sd3.judges import ClipScorer, Judge, load_judge, on_device
 from dmd2.families.sd3.prompts import read_prompts
+from dmd2.metrics import diversity, kid, pixel_features
 from dmd2.model import HostCalls, VelocityFn
 from dmd2.precision import in_run_precision, teacher_dtype
 from dmd2.sample import generate
 
+# The gate's name whichever judge measured it: the family names its gate metric once (a class attribute the
+# registry reads without the run's config), so the evaluator puts the recipe's chosen distance under this name.
+# The registry compares it across the versions of one registered model: their runs should share `[eval]
+# feature_model`.
+DISTANCE = "eval/distance_teacher"
+DECODE_BATCH = 4  # latents per VAE decode: at 1024 px the decoder's activations take GBs per picture
 
-def image_grid(images: Tensor, border: int = 2) -> np.ndarray:
-    """Images [N, 3, H, W] in [-1, 1] side by side as one uint8 picture [H + 2b, N (W + b) + b, 3]."""
+
+def image_grid(images: Tensor, columns: int | None = None, border: int = 2) -> np.ndarray:
+    """Images [N, 3, H, W] in [-1, 1] in rows of ``columns`` (default: one row) as one uint8 picture
+    [R (H + b) + b, C (W + b) + b, 3], R = ceil(N / C) rows, image i at row i // C, column i % C."""
     n, _, height, width = images.shape
-    canvas = torch.zeros(3, height + 2 * border, n * (width + border) + border)
+    columns = columns or n
+    rows = -(-n // columns)
+    canvas = torch.zeros(3, rows * (height + border) + border, columns * (width + border) + border)
     for i, image in enumerate(images.clamp(-1, 1)):
-        left = border + i * (width + border)
-        canvas[:, border:border + height, left:left + width] = (image + 1) / 2
+        top, left = border + (i // columns) * (height + border), border + (i % columns) * (width + border)
+        canvas[:, top:top + height, left:left + width] = (image + 1) / 2
     return (canvas.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
-
-
-def _features(output) -> Tensor:
-    """CLIP's projected embeddings: transformers 5 returns them as the output's `pooler_output`."""
-    return output if isinstance(output, Tensor) else output.pooler_output
 
 
 @dataclass
 class SD3Evaluator:
-    """Runs on the evaluating rank's ``device``: the teacher, the VAE and CLIP are moved there while they work (the
-    teacher in its training dtype, `[train] mixed_precision`), and the samplers' small host tensors go to them per
-    call."""
+    """Runs on the evaluating rank's ``device``: the teacher, the VAE and the judges' models are moved there while
+    they work (the teacher in its training dtype, `[train] mixed_precision`), and the samplers' small host tensors
+    go to them per call. ``cache_dir``: where a built-in feature model is cached (`builtin:digits`)."""
 
     family: "object"  # the bound SD3Family (its table holds the eval prompts after the training prompts)
     config: DistillConfig
     prompts: list[str]
     first_index: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    cache_dir: Path = field(default_factory=default_cache_dir)
     _teacher_samples: dict[str, Tensor] | None = field(default=None, repr=False)
+    _reference: dict[str, Tensor] | None = field(default=None, repr=False)  # the reference pictures' features
     _vae: object = field(default=None, repr=False)
-    _clip: tuple | None = field(default=None, repr=False)
+    _judge: Judge | None = field(default=None, repr=False)
+    _clip: ClipScorer | None = field(default=None, repr=False)
 
     @classmethod
-    def build(cls, family, config: DistillConfig, device: torch.device | str = "cpu") -> "SD3Evaluator":
+    def build(cls, family, config: DistillConfig, device: torch.device | str = "cpu",
+              cache_dir: Path | None = None) -> "SD3Evaluator":
         return cls(family, config, family.eval_prompts(config), len(read_prompts(config.data.prompts)),
-                   torch.device(device))
+                   torch.device(device), cache_dir or default_cache_dir())
+
+    def prompt_of(self) -> Tensor:
+        """The eval prompt of each row of the eval set [P S]: row k P + p is prompt p's sample from noise k."""
+        return torch.arange(len(self.prompts) * self.config.eval.samples_per_prompt) % len(self.prompts)
 
     def _conds(self):
-        index = torch.arange(self.first_index, self.first_index + len(self.prompts))
-        return prompt_indices(index), negative_indices(len(self.prompts))
+        rows = self.prompt_of()
+        return prompt_indices(self.first_index + rows), negative_indices(len(rows))
 
     def _shape(self):
         from dmd2.families.sd3.pipeline import latent_shape
@@ -75,10 +104,10 @@ class SD3Evaluator:
         return latent_shape(self.config.model.teacher, self.config.data.resolution)
 
     def _rows(self, rank: int, world_size: int) -> tuple[slice, bool]:
-        """Rank ``rank``'s share of the eval prompts (equal shares, the last ones shorter), and whether it keeps
-        what it samples: a rank left without a prompt samples the last one and drops it, since a sharded
-        model's every forward is a collective all ranks make."""
-        count = len(self.prompts)
+        """Rank ``rank``'s share of the eval set's rows (equal shares, the last ones shorter), and whether it keeps
+        what it samples: a rank left without a row samples the last one and drops it, since a sharded model's
+        every forward is a collective all ranks make."""
+        count = len(self.prompt_of())
         per_rank = -(-count // world_size)  # rounded up
         start = rank * per_rank
         if start >= count:
@@ -87,8 +116,8 @@ class SD3Evaluator:
 
     @torch.no_grad()
     def student_share(self, student: VelocityFn, rank: int = 0, world_size: int = 1) -> Tensor:
-        """The student's latents of rank ``rank``'s share of the eval prompts, from the noise those prompts have
-        in the whole evaluation; `score` takes every rank's, in rank order."""
+        """The student's latents of rank ``rank``'s share of the eval set, from the noise those rows have in the
+        whole evaluation; `score` takes every rank's, in rank order."""
         rows, kept = self._rows(rank, world_size)
         cond, neg = self._conds()
         latents = generate(student, cond, neg, self._shape(), sampler="student",
@@ -118,10 +147,10 @@ class SD3Evaluator:
         return samples
 
     def teacher_samples(self) -> dict[str, Tensor]:
-        """The teacher's own latents from the student's noise: "reference" at `[eval] reference_steps` (what
-        `eval/latent_mse_teacher` measures against; the teacher's grid) and "baseline" at the student's step
-        count. Made here at the first need unless handed in (`with_references`: made by the ranks' shares, or
-        earlier in the run)."""
+        """The teacher's own latents from the student's noise: "reference" at `[eval] reference_steps` (what the
+        KIDs compare the student's pictures with; the teacher's grid) and "baseline" at the student's step count.
+        Made here at the first need unless handed in (`with_references`: made by the ranks' shares, or earlier in
+        the run)."""
         if self._teacher_samples is None:
             self._teacher_samples = self.teacher_share()
         return self._teacher_samples
@@ -130,12 +159,12 @@ class SD3Evaluator:
         return self._teacher_samples is not None
 
     def references_id(self) -> str:
-        """Names what `teacher_samples` depend on (the teacher, the prompts, the grids, the seed, the precision),
-        so that ones stored for another setting are never handed in."""
+        """Names what `teacher_samples` depend on (the teacher, the prompts and their noises, the grids, the seed,
+        the precision), so that ones stored for another setting are never handed in."""
         config = self.config
         settings = [config.model.teacher, self.prompts, config.eval.reference_steps, config.student.num_steps,
                     config.student.grid_shift, config.dmd2.teacher_guidance_scale, config.train.seed,
-                    config.data.resolution, config.train.mixed_precision]
+                    config.data.resolution, config.train.mixed_precision, config.eval.samples_per_prompt]
         return "teacher-" + hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
 
     def references(self) -> dict[str, Tensor]:
@@ -146,7 +175,7 @@ class SD3Evaluator:
         """Hand in `references` made earlier in the run (by a rank since replaced): the teacher is not loaded."""
         if set(tensors) != {"reference", "baseline"}:
             raise ValueError(f"SD3 references hold 'reference' and 'baseline', got {sorted(tensors)}")
-        self._teacher_samples = dict(tensors)
+        self._teacher_samples, self._reference = dict(tensors), None
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
@@ -156,46 +185,63 @@ class SD3Evaluator:
 
             self._vae = AutoencoderKL.from_pretrained(self.config.model.teacher, subfolder="vae",
                                                       low_cpu_mem_usage=False, use_safetensors=True).eval()
-        with self._on_device(self._vae) as vae:
-            latents = latents.to(self.device) / vae.config.scaling_factor + vae.config.shift_factor
-            return vae.decode(latents, return_dict=False)[0].cpu()
+        with on_device(self._vae, self.device) as vae:
+            return torch.cat([vae.decode(chunk.to(self.device) / vae.config.scaling_factor + vae.config.shift_factor,
+                                         return_dict=False)[0].cpu() for chunk in latents.split(DECODE_BATCH)])
 
-    @torch.no_grad()
+    def judge(self) -> Judge | None:
+        """`[eval] feature_model`, loaded at the first need; None when unset."""
+        if self._judge is None and self.config.eval.feature_model:
+            self._judge = load_judge(self.config.eval.feature_model, self.cache_dir, self.device)
+        return self._judge
+
     def clip_score(self, images: Tensor) -> float:
-        """Mean of max(100 cos(image, prompt), 0) over the eval prompts, with `[eval] clip_model`."""
-        from transformers import AutoTokenizer, CLIPModel
-
+        """The mean CLIP score of the eval set's pictures against their prompts, with `[eval] clip_model`."""
         if self._clip is None:
-            path = self.config.eval.clip_model
-            self._clip = (CLIPModel.from_pretrained(path, use_safetensors=True).eval(),
-                          AutoTokenizer.from_pretrained(path))
-        model, tokenizer = self._clip
-        size = model.config.vision_config.image_size
-        pixels = torch.nn.functional.interpolate((images.clamp(-1, 1) + 1) / 2, size=(size, size), mode="bicubic")
-        mean = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)  # CLIP's preprocessing
-        std = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
-        tokens = tokenizer(self.prompts, padding=True, truncation=True, return_tensors="pt").to(self.device)
-        with self._on_device(model):
-            image = _features(model.get_image_features(pixel_values=((pixels - mean) / std).to(self.device)))
-            text = _features(model.get_text_features(**tokens))
-        cosine = torch.nn.functional.cosine_similarity(image, text)
-        return (100 * cosine).clamp(min=0).mean().item()
+            self._clip = ClipScorer.load(self.config.eval.clip_model, self.device)
+        return self._clip(images, self.prompts, self.prompt_of())
 
-    @contextmanager
-    def _on_device(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        """``model`` on the evaluating device for the block, in host memory between evaluations: the device is
-        training's then (`dmd2 plan` counts nothing of the evaluator in the rollout's stages)."""
-        model.to(self.device)
-        try:
-            yield model
-        finally:
-            model.to("cpu")
+    def _spaces(self, images: Tensor) -> dict[str, Tensor]:
+        """The pictures' features for each judge: "pixels" always, "features" with a feature model."""
+        spaces = {"pixels": pixel_features(images)}
+        if (judge := self.judge()) is not None:
+            spaces["features"] = judge.features(images)
+        return spaces
+
+    def _reference_spaces(self) -> dict[str, Tensor]:
+        if self._reference is None:  # decoded and judged once per evaluator: the reference never changes
+            self._reference = self._spaces(self.decode(self.teacher_samples()["reference"]))
+        return self._reference
+
+    def prompt_accuracy(self, images: Tensor) -> float | None:
+        """The fraction of the eval set's pictures whose prompt names a digit that the judge reads as that digit;
+        None unless the judge reads digits (`builtin:digits`) and some prompt names one."""
+        judge = self.judge()
+        if not hasattr(judge, "classify"):
+            return None
+        from dmd2.families.sd3.builtin.captions import digit_of
+
+        named = torch.tensor([-1 if digit_of(prompt) is None else digit_of(prompt) for prompt in self.prompts])
+        digits = named[self.prompt_of()]
+        if not (digits >= 0).any():
+            return None
+        return (judge.classify(images[digits >= 0]) == digits[digits >= 0]).double().mean().item()
 
     def _scores(self, latents: Tensor) -> tuple[dict[str, float], Tensor]:
         images = self.decode(latents)
-        scores = {"eval/latent_mse_teacher": (latents - self.teacher_samples()["reference"]).pow(2).mean().item()}
+        spaces, reference, prompt_of = self._spaces(images), self._reference_spaces(), self.prompt_of()
+        scores = {"eval/pixel_kid_teacher": kid(spaces["pixels"], reference["pixels"])}
+        if "features" in spaces:
+            scores["eval/kid_teacher"] = kid(spaces["features"], reference["features"])
+        scores[DISTANCE] = scores.get("eval/kid_teacher", scores["eval/pixel_kid_teacher"])
+        space = "features" if "features" in spaces else "pixels"
+        spread, teacher_spread = diversity(spaces[space], prompt_of), diversity(reference[space], prompt_of)
+        scores["eval/diversity"] = spread
+        scores["eval/diversity_ratio"] = spread / teacher_spread if teacher_spread > 0 else math.nan
         if self.config.eval.clip_model:
             scores["eval/clip_score"] = self.clip_score(images)
+        if (accuracy := self.prompt_accuracy(images)) is not None:
+            scores["eval/prompt_accuracy"] = accuracy
         return scores, images
 
     @torch.no_grad()
@@ -204,9 +250,10 @@ class SD3Evaluator:
 
     @torch.no_grad()
     def score(self, latents: Tensor) -> Evaluation:
-        """The scores and grid of the student's latents of every eval prompt (`student_share`s, in rank order)."""
+        """The scores and grid (a row per noise, a column per prompt) of the student's latents of the whole eval
+        set (`student_share`s, in rank order)."""
         scores, images = self._scores(latents)
-        return Evaluation(scores, {"samples": image_grid(images)})
+        return Evaluation(scores, {"samples": image_grid(images, len(self.prompts))})
 
     @torch.no_grad()
     def baselines(self) -> list[tuple[str, dict[str, float]]]:
@@ -217,5 +264,4 @@ class SD3Evaluator:
 
     @torch.no_grad()
     def reference_media(self) -> dict[str, np.ndarray]:
-        return {"teacher": image_grid(self.decode(self.teacher_samples()["reference"]))}
-
+        return {"teacher": image_grid(self.decode(self.teacher_samples()["reference"]), len(self.prompts))}

@@ -68,9 +68,11 @@ def table_dtype(config: DistillConfig) -> torch.dtype:
 @dataclass(frozen=True)
 class SD3Family(ModelFamily):
     name = "sd3"
-    gate_metric = "eval/latent_mse_teacher"
+    gate_metric = "eval/distance_teacher"  # the feature KID, else the pixel KID, to the teacher (evaluation.py)
     splits_evaluation = True  # a many-step guided teacher at 1024 px: every rank samples a share
-    report_columns = {"eval/latent_mse_teacher": "latent MSE vs teacher", "eval/clip_score": "CLIP score"}
+    report_columns = {"eval/kid_teacher": "KID vs teacher", "eval/pixel_kid_teacher": "pixel KID vs teacher",
+                      "eval/diversity_ratio": "diversity / teacher's", "eval/clip_score": "CLIP score",
+                      "eval/prompt_accuracy": "prompt accuracy"}
     generate_example = ("a photo of a cat",)  # prompts
     generated_shape = (-1, -1, 3)  # [data] resolution, RGB
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # the MMDiT's attention (diffusers' SD3 LoRA script's)

@@ -135,19 +135,32 @@ def test_a_family_without_a_gate_metric_promotes_nothing():
     assert promotion(None, True, 1.0, None) == (False, "not promoted: the family names no gate metric")
 
 
-def test_an_sd3_student_is_a_model_of_prompts(tracking, tmp_path, monkeypatch):
-    from dmd2.families.sd3.export import export_pipeline
-    from dmd2.families.sd3.pipeline import load_transformer
+@pytest.fixture(scope="module")
+def sd3_teacher(tmp_path_factory):
     from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_sd3_pipeline
 
-    teacher = build_tiny_sd3_pipeline(tmp_path / "teacher")
-    student_dir = export_pipeline(teacher, load_transformer(teacher), 2, 3.0, tmp_path / "student", {})
-    sd3, settings = family_class("sd3")(), {"num_steps": 2, "resolution": 16}
+    return build_tiny_sd3_pipeline(tmp_path_factory.mktemp("sd3") / "teacher")
+
+
+@pytest.fixture(scope="module")
+def sd3_student(sd3_teacher, tmp_path_factory):
+    """A tiny SD3 student exported by its family, and its generation settings (2 steps, 16 px)."""
+    from dmd2.families.sd3.export import export_pipeline
+    from dmd2.families.sd3.pipeline import load_transformer
+
+    out_dir = tmp_path_factory.mktemp("sd3-outputs") / "student"
+    return export_pipeline(sd3_teacher, load_transformer(sd3_teacher), 2, 3.0, out_dir, {}), {"num_steps": 2,
+                                                                                             "resolution": 16}
+
+
+def test_an_sd3_student_is_a_model_of_prompts(tracking, sd3_student, monkeypatch):
+    student_dir, settings = sd3_student
+    sd3 = family_class("sd3")()
     tracker = RunTracker.start_or_resume("sd3-run", uri=tracking)
     with monkeypatch.context() as patch:  # logging copies the export, it never loads it (GBs, on the driver)
         patch.setattr(type(sd3), "student_generator", lambda *args: pytest.fail("logging loaded the student"))
         registered = register_student(tracker.client, "sd3", tracker.mlflow_run_id, student_dir, sd3, settings,
-                                      {"eval/latent_mse_teacher": 0.25}, student_uri="s3://b/sd3-run/student/2",
+                                      {sd3.gate_metric: 0.25}, student_uri="s3://b/sd3-run/student/2",
                                       flow_run_id="f")
     assert registered.promoted
     model = mlflow.pyfunc.load_model(f"models:/sd3@{CHAMPION}")
@@ -155,3 +168,22 @@ def test_an_sd3_student_is_a_model_of_prompts(tracking, tmp_path, monkeypatch):
     images = model.predict(prompts, params={"seed": 1})
     assert images.dtype == np.uint8 and images.shape == (2, 16, 16, 3)
     np.testing.assert_array_equal(images, np.stack(sd3.generate(student_dir, prompts, settings, seed=1)))
+
+
+def test_a_collapsed_sd3_student_is_not_promoted_over_a_healthy_champion(tracking, sd3_teacher, sd3_student,
+                                                                          tmp_path):
+    """A student that draws the same picture from every noise (tests/dmd2/families/sd3/collapse.py) scores a worse
+    distance to the teacher than a healthy one, so the SD3 family's gate keeps the healthy champion."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from tests.dmd2.families.sd3.collapse import healthy_and_collapsed
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3_teacher, low_cpu_mem_usage=False)
+    healthy, collapsed = healthy_and_collapsed(sd3_teacher, pipe, tmp_path)
+    assert collapsed.scores["eval/diversity_ratio"] < 0.01
+    sd3 = family_class("sd3")()
+    versions = [register(tracking, sd3_student, sd3, "collapse", evaluation.scores, n)
+                for n, evaluation in enumerate([healthy, collapsed], start=1)]
+    assert [v.promoted for v in versions] == [True, False]
+    assert versions[1].reason.startswith(f"not promoted: {sd3.gate_metric} ")
+    assert str(MlflowClient(tracking).get_model_version_by_alias("collapse", CHAMPION).version) == versions[0].version

@@ -163,8 +163,9 @@ def build_tiny_sd_pipeline(path: str | Path, seed: int = 0) -> Path:
 
 
 def build_tiny_clip(path: str | Path, seed: int = 0) -> Path:
-    """Save a tiny transformers CLIPModel (16 x 16 images) and its tokenizer into `path`: `[eval] clip_model`."""
-    from transformers import CLIPConfig, CLIPModel, CLIPVisionConfig
+    """Save a tiny transformers CLIPModel (16 x 16 images), its tokenizer and its image processor (resize and crop
+    to 16, CLIP's normalisation) into `path`: `[eval] clip_model`, loadable by `CLIPProcessor.from_pretrained`."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPVisionConfig
 
     torch.manual_seed(seed)
     tokenizer = clip_tokenizer()
@@ -174,4 +175,18 @@ def build_tiny_clip(path: str | Path, seed: int = 0) -> Path:
                         projection_dim=16)
     CLIPModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
+    CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}).save_pretrained(path)
+    return Path(path)
+
+
+def build_tiny_dinov2(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny transformers Dinov2Model (16 x 16 images, 4 x 4 patches) and its image processor (DINOv2's:
+    resize and crop to 16, ImageNet's normalisation) into `path`: an `[eval] feature_model`."""
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    torch.manual_seed(seed)
+    Dinov2Model(Dinov2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                             image_size=16, patch_size=4)).save_pretrained(path)
+    BitImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+                      image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]).save_pretrained(path)
     return Path(path)
