@@ -36,6 +36,8 @@ def check(config: DistillConfig) -> None:
                                  "StableDiffusion3Pipeline directory (e.g. an exported student)")
         if config.eval.clip_model:
             _check_clip(config.eval.clip_model)
+        if config.eval.feature_model and not config.eval.feature_model.startswith("builtin:"):
+            _check_feature_model(config.eval.feature_model)  # the built-in ones are the config rules' to name
         if not config.data.prompts:
             raise ValueError("[data] prompts is required by the sd3 family: a text file (one prompt a line) or "
                              "a .jsonl file with a \"prompt\" field")
@@ -91,3 +93,15 @@ def _check_clip(spec: str) -> None:
         raise ValueError(f"[eval] clip_model = {spec!r} is not a transformers CLIPModel directory (its config.json "
                          "must say model_type \"clip\"); give one (save_pretrained), a hub id such as "
                          "openai/clip-vit-large-patch14, or leave it unset to skip the CLIP score")
+
+
+def _check_feature_model(spec: str) -> None:
+    """`[eval] feature_model`, when local (or cached), must hold a transformers model and its image processor."""
+    path = model_dir("[eval] feature_model", spec)
+    if path is None:
+        return
+    missing = [name for name in ("config.json", "preprocessor_config.json") if not (path / name).is_file()]
+    if missing:
+        raise ValueError(f"[eval] feature_model = {spec!r} lacks {' and '.join(missing)}: give a transformers CLIP "
+                         "or DINOv2 directory saved with its image processor (save_pretrained of both), a hub id such "
+                         "as facebook/dinov2-base, or leave it unset (the model-free pixel KID only)")

@@ -1,4 +1,5 @@
-"""The sd3 family's checks of `[data] images` (dmd2/families/sd3/checks.py): the folder, and the GAN's need of it."""
+"""The sd3 family's checks (dmd2/families/sd3/checks.py) of `[data] images` (the folder, and the GAN's need of it)
+and of `[eval] feature_model`."""
 
 import pytest
 
@@ -37,3 +38,14 @@ def test_the_checks_refuse_a_bad_folder_and_either_of_gan_and_images_alone(sd3_d
     config = recipe(sd3_dir, tmp_path, folder and tmp_path / folder, critic_gan_weight)
     with pytest.raises(ConfigError, match=message):
         check(config)
+
+
+def test_a_feature_model_directory_needs_its_image_processor(sd3_dir, tmp_path):
+    from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_dinov2
+
+    features = build_tiny_dinov2(tmp_path / "dinov2")
+    check(recipe(sd3_dir, tmp_path).replace("eval", feature_model=str(features)))
+    check(recipe(sd3_dir, tmp_path).replace("eval", feature_model="builtin:digits"))
+    (features / "preprocessor_config.json").unlink()
+    with pytest.raises(ConfigError, match=r"\[eval\] feature_model = .*dinov2' lacks preprocessor_config\.json: give"):
+        check(recipe(sd3_dir, tmp_path).replace("eval", feature_model=str(features)))
