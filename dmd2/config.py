@@ -27,7 +27,8 @@ class ModelConfig:
     """Where the models come from."""
 
     family: str = option("", "Model family (`digits`); default: inferred from the teacher.")
-    teacher: str = option("", "Teacher: a diffusers model directory (or hub id), or `builtin:digits`.")
+    teacher: str = option("", "Teacher: a diffusers model directory (or hub id), `builtin:digits` (class labels) "
+                               "or `builtin:digits-sd3` (an SD3 pipeline that takes prompts).")
     student: str | None = option(None, "Student initialisation; default: the teacher's weights.")
     critic_load: str | None = option(None, "Critic initialisation (DMD2 only); default: the teacher.")
 
@@ -184,6 +185,8 @@ class DataConfig:
     negative_prompt: str = option("", "The negative prompt of the teacher's CFG (default: the empty prompt).")
     resolution: int = option(0, "Image side in pixels; 0: the pipeline's default (the transformer's sample "
                                 "size times the VAE's scale factor).")
+    max_sequence_length: int = option(256, "SD3: T5 tokens per prompt (padded to this; 256 is the pipeline's "
+                                           "default, up to 512). The student samples with the same length.")
     images: str = option("", "SD3: a folder of real images (png, jpg, jpeg, webp) for the GAN's discriminator, "
                              "required by `[dmd2] critic_gan_weight` > 0; a same-named `.txt` beside an image is "
                              "its caption (else the empty prompt). Center-cropped, resized to `resolution` and "

@@ -74,6 +74,8 @@ def validate(config: "DistillConfig") -> None:
            f"[cluster] placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {cluster.placement_strategy!r}")
     _check(config.data.resolution >= 0, f"[data] resolution must be >= 0 (0: the model's default), got "
                                          f"{config.data.resolution}")
+    _check(1 <= config.data.max_sequence_length <= 512, f"[data] max_sequence_length must be in 1..512 (T5 "
+           f"tokens per prompt; SD3's default 256), got {config.data.max_sequence_length}")
     _check(train.keep_rollouts >= 0,
            f"[train] keep_rollouts must be >= 0 (0: delete each rollout's artifacts once it is done), "
            f"got {train.keep_rollouts}")
@@ -120,7 +122,7 @@ def _validate_dmd2(config: "DistillConfig") -> None:
     dmd2, train = config.dmd2, config.train
     _check(dmd2 is not None, "[train] loss_type = 'dmd2' needs a [dmd2] section (an empty one takes the defaults)")
     _check(bool(config.model.teacher), "[model] teacher is required for DMD2: a diffusers model directory, "
-                                       "hub id, or builtin:digits")
+                                       "hub id, builtin:digits or builtin:digits-sd3")
     _check(dmd2.teacher_guidance_scale >= 1,
            f"[dmd2] teacher_guidance_scale must be >= 1 (1 = unguided), got {dmd2.teacher_guidance_scale}")
     low, high = dmd2.score_sigma_range

@@ -64,7 +64,8 @@ class Registration:
 FAMILIES = {
     "digits": Registration("dmd2.families.digits.family:DigitsFamily", "dmd2.families.digits.checks",
                            "dmd2.families.digits.commands:COMMANDS", judge="dmd2.families.digits.judge:DigitsJudge"),
-    "sd3": Registration("dmd2.families.sd3.family:SD3Family", "dmd2.families.sd3.checks"),
+    "sd3": Registration("dmd2.families.sd3.family:SD3Family", "dmd2.families.sd3.checks",
+                        "dmd2.families.sd3.commands:COMMANDS"),
 }
 
 

@@ -5,6 +5,7 @@ before anything heavy loads, so a refused recipe costs no torch import; `DigitsF
 `.check` are these same functions. The shape and classes of a digits model live here for that reason.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,8 @@ BUILTIN_DIGITS = "builtin:digits"  # pretrained on sklearn's digits and cached o
 
 # Options only a text-to-image family reads: set under the digits family, they are a mistake.
 TEXT_TO_IMAGE_OPTIONS = (("data", "prompts"), ("data", "negative_prompt"), ("data", "resolution"),
-                         ("data", "images"), ("eval", "prompts"), ("eval", "clip_model"))
+                         ("data", "max_sequence_length"), ("data", "images"), ("eval", "prompts"),
+                         ("eval", "clip_model"), ("eval", "feature_model"), ("eval", "samples_per_prompt"))
 
 
 def digits_unet_config(path: str | Path) -> dict[str, Any] | None:
@@ -46,6 +48,11 @@ def digits_unet_config(path: str | Path) -> dict[str, Any] | None:
     return None
 
 
+def _default(section: str, name: str):
+    """The option's default (the recipe left it unset)."""
+    return next(f for f in dataclasses.fields(DistillConfig) if f.name == section).default_factory().__dict__[name]
+
+
 def claims(teacher: str) -> bool:
     """Whether `[model] teacher` is a digits model: the built-in one, or a digits UNet directory."""
     return teacher == BUILTIN_DIGITS or digits_unet_config(teacher) is not None
@@ -54,7 +61,7 @@ def claims(teacher: str) -> bool:
 def check(config: DistillConfig) -> None:
     """Refuse options the family does not read, and model specs that are not digits models."""
     unread = [f"[{section}] {name}" for section, name in TEXT_TO_IMAGE_OPTIONS
-              if getattr(getattr(config, section), name)]
+              if getattr(getattr(config, section), name) != _default(section, name)]
     if unread:
         raise ConfigError(f"{', '.join(unread)}: read only by text-to-image families; the digits family draws "
                           "class labels: remove them")

@@ -16,9 +16,12 @@ from dmd2.families.sd3.prompt_file import read_prompts
 from dmd2.model_specs import model_dir
 
 
+BUILTIN_DIGITS_SD3 = "builtin:digits-sd3"  # the built-in text teacher: trained on sklearn's digits, cached on first use
+
+
 def claims(teacher: str) -> bool:
-    """Whether `[model] teacher` is a local StableDiffusion3Pipeline directory."""
-    return is_sd3_pipeline(teacher)
+    """Whether `[model] teacher` is a local StableDiffusion3Pipeline directory, or the built-in one."""
+    return teacher == BUILTIN_DIGITS_SD3 or is_sd3_pipeline(teacher)
 
 
 def check(config: DistillConfig) -> None:
@@ -53,6 +56,8 @@ def check(config: DistillConfig) -> None:
 def _check_teacher(config: DistillConfig) -> None:
     """A local (or cached) teacher must be a flow-matching SD3 pipeline whose latents fit `[data] resolution`."""
     spec = config.model.teacher
+    if spec == BUILTIN_DIGITS_SD3:  # made by this code, at the size its recipe's options fit
+        return
     teacher = model_dir("[model] teacher", spec)
     if teacher is None:  # a hub id, fetched when the run resolves it: its files are checked then
         return

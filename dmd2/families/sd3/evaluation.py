@@ -94,11 +94,11 @@ class SD3Evaluator:
         """The eval prompt of each row of the eval set [P S]: row k P + p is prompt p's sample from noise k."""
         return torch.arange(len(self.prompts) * self.config.eval.samples_per_prompt) % len(self.prompts)
 
-    def _conds(self):
+    def conds(self):
         rows = self.prompt_of()
         return prompt_indices(self.first_index + rows), negative_indices(len(rows))
 
-    def _shape(self):
+    def latent_shape(self):
         from dmd2.families.sd3.pipeline import latent_shape
 
         return latent_shape(self.config.model.teacher, self.config.data.resolution)
@@ -119,8 +119,8 @@ class SD3Evaluator:
         """The student's latents of rank ``rank``'s share of the eval set, from the noise those rows have in the
         whole evaluation; `score` takes every rank's, in rank order."""
         rows, kept = self._rows(rank, world_size)
-        cond, neg = self._conds()
-        latents = generate(student, cond, neg, self._shape(), sampler="student",
+        cond, neg = self.conds()
+        latents = generate(student, cond, neg, self.latent_shape(), sampler="student",
                            num_steps=self.config.student.num_steps, shift=self.config.student.grid_shift,
                            seed=self.config.train.seed, clamp=False, rows=rows)
         return latents if kept else latents[:0]
@@ -135,11 +135,11 @@ class SD3Evaluator:
             model = self.family.load_model(self.config.model.teacher, teacher_dtype(self.config))
         model = model.to(self.device).eval().requires_grad_(False)
         teacher = HostCalls(in_run_precision(self.family.velocity(model), self.config, self.device.type), self.device)
-        cond, neg = self._conds()
+        cond, neg = self.conds()
         samples = {}
         grids = {"reference": self.config.eval.reference_steps, "baseline": self.config.student.num_steps}
         for name, steps in grids.items():
-            latents = generate(teacher, cond, neg, self._shape(), sampler="teacher", num_steps=steps,
+            latents = generate(teacher, cond, neg, self.latent_shape(), sampler="teacher", num_steps=steps,
                                guidance_scale=self.config.dmd2.teacher_guidance_scale,
                                shift=self.config.student.grid_shift, seed=self.config.train.seed, clamp=False,
                                rows=rows)

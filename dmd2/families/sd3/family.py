@@ -26,8 +26,9 @@ from dmd2.families.sd3.image_folder import RealImage, read_image_folder
 from dmd2.families.sd3.pipeline import (check_sd3_pipeline, is_sd3_pipeline, latent_shape, load_transformer,
                                         read_json, shift_of, vae_scale_factor)
 from dmd2.families.sd3.prompt_file import read_prompts
-from dmd2.families.sd3.prompts import components_fingerprint, encoder_fingerprint, prompts_digest
-from dmd2.families.sd3.published import TEXT_TOKENS, TRANSFORMERS, VAE_SCALE_FACTOR
+from dmd2.families.sd3.prompts import (DEFAULT_MAX_SEQUENCE_LENGTH, components_fingerprint, encoder_fingerprint,
+                                      prompts_digest)
+from dmd2.families.sd3.published import CLIP_TOKENS, TRANSFORMERS, VAE_SCALE_FACTOR
 from dmd2.families.sd3.real_images import caption_rows, images_digest
 from dmd2.gan import GanTap, RealSamples
 from dmd2.model import Cond, DiffusersVelocity, VelocityFn
@@ -80,8 +81,10 @@ class SD3Family(ModelFamily):
     real: RealSamples | None = None  # bound on the ranks with `[data] images`: their latents, captions' indices
 
     def resolve(self, config: DistillConfig, cache_dir: Path) -> DistillConfig:
+        from dmd2.families.sd3.builtin.pretrain import resolve_builtin  # trains the built-in teacher when missing
+
         model = config.model
-        teacher = _local(model.teacher)
+        teacher = _local(resolve_builtin(model.teacher, cache_dir))
         try:
             check_sd3_pipeline(teacher)
             shift = shift_of(teacher)
@@ -129,11 +132,13 @@ class SD3Family(ModelFamily):
         return RunSpec(config, self, shape, PromptIndices(1), "")
 
     def plan_bind(self, config: DistillConfig, device: torch.device | str) -> "SD3Family":
-        """A table of one zero prompt of the encoders' shapes (CLIP's 77 tokens and T5's 256, the MMDiT's widths),
-        in host memory as `bind` keeps it: what the device holds of it is each call's rows."""
+        """A table of one zero prompt of the encoders' shapes (CLIP's 77 tokens and `[data] max_sequence_length`
+        T5 ones, the MMDiT's widths), in host memory as `bind` keeps it: what the device holds of it is each call's
+        rows."""
         transformer = self._transformer_config(config.model.teacher)
         width, pooled = transformer["joint_attention_dim"], transformer["pooled_projection_dim"]
-        tables = [torch.zeros(1, TEXT_TOKENS, width, device="cpu"), torch.zeros(1, pooled, device="cpu")]
+        tokens = CLIP_TOKENS + config.data.max_sequence_length
+        tables = [torch.zeros(1, tokens, width, device="cpu"), torch.zeros(1, pooled, device="cpu")]
         return dataclasses.replace(self, table=PromptTable(*tables, *(t.clone() for t in tables)))
 
     def conditioning_tensors(self) -> list[Tensor]:
@@ -153,7 +158,8 @@ class SD3Family(ModelFamily):
 
     def prepared_key(self, config: DistillConfig) -> str:
         prompts = read_prompts(config.data.prompts) + self.eval_prompts(config)
-        key = prompts_digest(prompts, config.data.negative_prompt, encoder_fingerprint(config.model.teacher))
+        key = prompts_digest(prompts, config.data.negative_prompt, encoder_fingerprint(config.model.teacher),
+                             config.data.max_sequence_length)
         if table_dtype(config) != torch.float32:  # fp32 tables keep the key they had before tables were bf16
             key = hashlib.sha256(f"{key} {table_dtype(config)}".encode()).hexdigest()
         images = self.real_images(config)
@@ -173,7 +179,8 @@ class SD3Family(ModelFamily):
         rows, caption_index = caption_rows(read_prompts(config.data.prompts) + self.eval_prompts(config),
                                            [image.caption for image in images])
         pipeline = load_text_pipeline(config.model.teacher).to(device)
-        table = encode_prompt_table(pipeline, rows, config.data.negative_prompt)
+        table = encode_prompt_table(pipeline, rows, config.data.negative_prompt,
+                                    max_sequence_length=config.data.max_sequence_length)
         prepared = {"prompts": {name: embeds.to(table_dtype(config)) for name, embeds in table.items()}}
         del pipeline  # the text encoders leave the device before the VAE comes
         if images:
@@ -214,7 +221,7 @@ class SD3Family(ModelFamily):
     def evaluator(self, config: DistillConfig, cache_dir: Path, device: torch.device | str = "cpu"):
         from dmd2.families.sd3.evaluation import SD3Evaluator
 
-        return SD3Evaluator.build(self, config, device)
+        return SD3Evaluator.build(self, config, device, cache_dir)
 
     def export(self, student: nn.Module, config: DistillConfig, out_dir: Path, card: dict[str, Any]) -> None:
         from dmd2.families.sd3.export import export_pipeline
@@ -225,9 +232,11 @@ class SD3Family(ModelFamily):
                         {"recipe": recipe, "metrics": card.get("scores", {})})
 
     def generation_settings(self, config: DistillConfig) -> dict[str, Any]:
-        return {"num_steps": config.student.num_steps, "resolution": config.data.resolution}  # the shift is exported
+        return {"num_steps": config.student.num_steps, "resolution": config.data.resolution,  # the shift is exported
+                "max_sequence_length": config.data.max_sequence_length}
 
     def student_generator(self, student_dir: Path, settings: dict[str, Any]):
         from dmd2.families.sd3.generation import SD3Generator
 
-        return SD3Generator.load(student_dir, int(settings["num_steps"]), int(settings["resolution"]))
+        return SD3Generator.load(student_dir, int(settings["num_steps"]), int(settings["resolution"]),
+                                 int(settings.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)))

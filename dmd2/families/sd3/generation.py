@@ -20,9 +20,10 @@ class SD3Generator:
     pipeline: Any  # a StableDiffusion3Pipeline
     num_steps: int
     resolution: int  # 0: the pipeline's default (the transformer's sample size)
+    max_sequence_length: int  # T5 tokens per prompt, as the student was distilled with (`[data] max_sequence_length`)
 
     @classmethod
-    def load(cls, student_dir: Path, num_steps: int, resolution: int) -> "SD3Generator":
+    def load(cls, student_dir: Path, num_steps: int, resolution: int, max_sequence_length: int) -> "SD3Generator":
         """On the GPU in bf16 when there is one (SD3.5's text encoders alone are ~20 GB in fp32), else fp32."""
         from diffusers import StableDiffusion3Pipeline  # slow to import; only generation needs it
 
@@ -30,7 +31,7 @@ class SD3Generator:
         pipeline = StableDiffusion3Pipeline.from_pretrained(str(student_dir), use_safetensors=True,
                                                             dtype=torch.bfloat16 if cuda else torch.float32)
         pipeline.set_progress_bar_config(disable=True)
-        return cls(pipeline.to("cuda" if cuda else "cpu"), num_steps, resolution)
+        return cls(pipeline.to("cuda" if cuda else "cpu"), num_steps, resolution, max_sequence_length)
 
     @torch.no_grad()
     def __call__(self, inputs: list[Any], seed: int = 0) -> list[np.ndarray]:
@@ -44,5 +45,6 @@ class SD3Generator:
             torch.manual_seed(seed)
             images = self.pipeline(prompts, num_inference_steps=self.num_steps, guidance_scale=1.0,
                                    height=self.resolution or None, width=self.resolution or None, output_type="np",
+                                   max_sequence_length=self.max_sequence_length,
                                    generator=torch.Generator(device).manual_seed(seed)).images
         return [(np.clip(image, 0, 1) * 255).round().astype(np.uint8) for image in images]

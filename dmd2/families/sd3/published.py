@@ -25,5 +25,6 @@ TRANSFORMERS = {
 }
 
 # The prompt conditioning the MMDiT sees per sample: CLIP-L and CLIP-G (77 tokens each, concatenated and
-# padded to T5's width) beside T5-XXL's 256 tokens, and the pooled CLIP vectors.
-TEXT_TOKENS = 77 + 256
+# padded to T5's width) beside T5-XXL's 256 tokens (`[data] max_sequence_length`), and the pooled CLIP vectors.
+CLIP_TOKENS = 77
+TEXT_TOKENS = CLIP_TOKENS + 256

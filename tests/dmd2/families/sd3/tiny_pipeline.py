@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 from diffusers import (
-    AutoencoderKL,
     DDPMScheduler,
     FlowMatchEulerDiscreteScheduler,
     SD3Transformer2DModel,
@@ -20,20 +19,13 @@ from diffusers import (
     StableDiffusionPipeline,
     UNet2DConditionModel,
 )
-from transformers import (
-    CLIPTextConfig,
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    CLIPTokenizer,
-    T5Config,
-    T5EncoderModel,
-    T5TokenizerFast,
-)
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+from dmd2.families.sd3.builtin import components
+from dmd2.families.sd3.builtin.components import CLIP_HIDDEN, t5_encoder
 
 SHIFT = 3.0
 JOINT_ATTENTION_DIM = 32  # T5's width; the CLIP hidden states are zero-padded to it
-CLIP_HIDDEN = 16  # each CLIP's width: 16 + 16 = 32 concatenated (at most T5's width)
 CLIP_PROJECTION = 16  # each CLIP's pooled width: 16 + 16 = pooled_projection_dim
 CLIP_MAX_LENGTH = 32  # the CLIP tokenizers pad to this (SD3's real ones: 77)
 TINY_TRANSFORMER = dict(
@@ -42,68 +34,28 @@ TINY_TRANSFORMER = dict(
     out_channels=4, pos_embed_max_size=8,
 )
 T5_WORDS = ["a", "cat", "dog", "photo", "of", "red", "blue", "sign", "the", "on"]
-SPECIALS = {"<|startoftext|>": 0, "<|endoftext|>": 1}
 
 
-def clip_tokenizer(max_length: int = CLIP_MAX_LENGTH) -> CLIPTokenizer:
-    """A byte-level BPE tokenizer with no merges: every byte alone and at a word's end (`</w>`).
-
-    It pads to `max_length` tokens: the CLIP part of the transformer's text sequence."""
-    alphabet = list(bytes_to_unicode().values())
-    vocab = dict(SPECIALS)
-    for symbol in alphabet + [a + "</w>" for a in alphabet]:
-        vocab[symbol] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
+def clip_tokenizer(max_length: int = CLIP_MAX_LENGTH):
+    return components.clip_tokenizer(max_length)
 
 
-def t5_tokenizer() -> T5TokenizerFast:
-    """A Unigram tokenizer over a few words and the letters (T5's layout: <pad>, </s>, <unk> first).
-
-    Built with the `tokenizers` library through transformers, so no sentencepiece model is needed.
-    """
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    pieces += [("\u2581" + w, -1.0) for w in T5_WORDS]
-    pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
-    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
+def t5_tokenizer():
+    return components.t5_tokenizer(T5_WORDS)
 
 
-def clip_text_config(vocab_size: int, projection_dim: int | None = None,
-                     max_length: int = CLIP_MAX_LENGTH) -> CLIPTextConfig:
-    return CLIPTextConfig(
-        vocab_size=vocab_size, hidden_size=CLIP_HIDDEN, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, max_position_embeddings=max_length, projection_dim=projection_dim or CLIP_HIDDEN,
-        bos_token_id=SPECIALS["<|startoftext|>"], eos_token_id=SPECIALS["<|endoftext|>"],
-        pad_token_id=SPECIALS["<|endoftext|>"],
-    )
+def clip_text_config(vocab_size: int, projection_dim: int | None = None, max_length: int = CLIP_MAX_LENGTH):
+    return components.clip_text_config(vocab_size, projection_dim, max_length)
 
 
-def tiny_vae(latent_channels: int = 4, scale_factor: int = 2) -> AutoencoderKL:
-    """log2(scale_factor) + 1 blocks of 8-16 channels (each but the last halves the resolution); SD3's
-    VAE has no quant convs and shifts its latents. The default: two blocks, 4 latent channels."""
-    blocks = scale_factor.bit_length()
-    if scale_factor < 2 or 2 ** (blocks - 1) != scale_factor:
-        raise ValueError(f"the VAE scale factor must be a power of 2 >= 2, got {scale_factor}")
-    return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=latent_channels,
-        block_out_channels=tuple(min(8 * 2**i, 16) for i in range(blocks)), layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * blocks, up_block_types=("UpDecoderBlock2D",) * blocks,
-        norm_num_groups=4, sample_size=16, scaling_factor=1.5305, shift_factor=0.0609,
-        use_quant_conv=False, use_post_quant_conv=False,
-    )
+def tiny_vae(latent_channels: int = 4, scale_factor: int = 2):
+    return components.small_vae(latent_channels, scale_factor)
 
 
 def tiny_sd3_transformer(seed: int = 0, **config) -> SD3Transformer2DModel:
     """An MMDiT of `TINY_TRANSFORMER`'s config, with `config`'s keys replacing its own."""
     torch.manual_seed(seed)
     return SD3Transformer2DModel(**(TINY_TRANSFORMER | config))
-
-
-def t5_encoder(vocab_size: int, width: int, num_layers: int = 2) -> T5EncoderModel:
-    """A T5 encoder of `width` (the MMDiT's joint_attention_dim) whose layers are as thin as can be."""
-    return T5EncoderModel(T5Config(
-        vocab_size=vocab_size, d_model=width, d_kv=8, d_ff=64, num_layers=num_layers, num_heads=4,
-        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-    ))
 
 
 def build_sd3_pipeline(path: str | Path, transformer: dict | None = None, seed: int = 0, vae_scale_factor: int = 2,
