@@ -5,8 +5,9 @@ Every variant is a base recipe (4step or 1step) with `--set`-style overrides (pa
 simulation's stop steps. The teacher and evaluator are the cached ones `dmd2 table` uses
 (dmd2.family.default_cache_dir(), pretrained on first use); the yardstick (1000 samples, the teacher's 32-step
 guided reference) is built once. One row per variant is printed as it finishes (fidelity = FD vs the teacher's
-32-step samples, FD vs real, class accuracy, wall seconds of the distillation), and appended as JSON to
---jsonl.
+32-step samples in the evaluator's features, pixel KID vs the same samples, FD vs real, class accuracy, wall
+seconds of the distillation), and appended as JSON to --jsonl; at the end the variants ranked by both judges
+(fidelity and pixel KID), with where they disagree.
 
     .venv/bin/python bench/recipe_search.py --list
     .venv/bin/python bench/recipe_search.py --variants base4,lr1e-4 --threads 1
@@ -110,10 +111,12 @@ def main() -> int:
     from dmd2.family import default_cache_dir
     from dmd2.families.digits.data import load_digits_splits
     from dmd2.families.digits.evaluator import DigitsEvaluator
+    from dmd2.families.digits.family import DigitsFamily
     from dmd2.families.digits.pretrain import resolve_model
     from dmd2.families.digits.table import _distill
     from dmd2.families.digits.yardstick import Yardstick
     from dmd2.model import DiffusersVelocity, load_pretrained
+    from dmd2.report import rank_by_judges
 
     torch.set_num_threads(args.threads)
     cache_dir = args.cache_dir or default_cache_dir()
@@ -129,8 +132,9 @@ def main() -> int:
                                 reference_steps=first.eval.reference_steps,
                                 guidance_scale=first.dmd2.teacher_guidance_scale, seed=first.train.seed)
     print(f"# yardstick built in {time.monotonic() - started:.0f} s; {args.threads} thread(s)", flush=True)
-    print("| variant | steps | overrides | fidelity | FD vs real | accuracy | wall s |", flush=True)
-    print("|---|---:|---|---:|---:|---:|---:|", flush=True)
+    print("| variant | steps | overrides | fidelity | pixel KID | FD vs real | accuracy | wall s |", flush=True)
+    print("|---|---:|---|---:|---:|---:|---:|---:|", flush=True)
+    rows = []
     for name, (config, sets) in configs.items():
         if config.dmd2.teacher_guidance_scale != first.dmd2.teacher_guidance_scale:
             raise SystemExit(f"{name}: the yardstick's reference uses guidance {first.dmd2.teacher_guidance_scale}")
@@ -143,10 +147,14 @@ def main() -> int:
                                        num_steps=config.student.num_steps, shift=config.student.grid_shift)
         shown = " ".join(sets)
         print(f"| {name} | {config.student.num_steps} | {shown or '-'} | {scores['fd_teacher']:.2f} | "
-              f"{scores['fd_real']:.2f} | {scores['accuracy']:.3f} | {wall:.0f} |", flush=True)
+              f"{scores['pixel_kid_teacher']:.4g} | {scores['fd_real']:.2f} | {scores['accuracy']:.3f} | {wall:.0f} |",
+              flush=True)
+        rows.append((name, {f"eval/{key}": value for key, value in scores.items()}))
         with args.jsonl.open("a") as f:
             f.write(json.dumps({"variant": name, "steps": config.student.num_steps, "overrides": sets,
                                 "threads": args.threads, "wall_s": round(wall, 1), **scores}) + "\n")
+    if len(rows) > 1:  # ranked by both judges: a variant that wins by one and loses by the other is no winner
+        print("\n" + rank_by_judges(rows, DigitsFamily.judges), flush=True)
     return 0
 
 

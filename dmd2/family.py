@@ -166,6 +166,9 @@ class ModelFamily:
     generated_shape: ClassVar[tuple[int, ...]] = ()
     # Score keys -> column headings of the eval table the CLI prints.
     report_columns: ClassVar[dict[str, str]] = {}
+    # The distances to the teacher's samples (lower is closer) by judges that share no model: a quality claim is
+    # made only when they agree (`dmd2.report.judges_verdict`). Score keys -> headings.
+    judges: ClassVar[dict[str, str]] = {}
     # The layers `[student] lora_rank` adapts (peft `target_modules`: module names or name suffixes); empty:
     # the family trains no LoRA (dmd2/lora.py).
     lora_targets: ClassVar[tuple[str, ...]] = ()

@@ -44,6 +44,15 @@ def kid(x: Tensor, y: Tensor) -> float:
     return (within(kernel(x, x)) + within(kernel(y, y)) - 2 * kernel(x, y).mean()).item()
 
 
+def kid_to_reference(x: Tensor, reference: Tensor) -> float:
+    """`kid` of ``x`` against ``reference`` after dividing both by the reference's root mean square entry: the
+    cubic kernel's a.b / d is then O(1) whatever the judge's scale. KID's kernel was made for Inception's features
+    (entries well under 1); on features with entries in the tens (a small classifier's ReLU layer) the cubic term
+    is in the millions, and the estimate's spread with it, so a student's KID reads as noise (e.g. -429)."""
+    scale = reference.double().pow(2).mean().sqrt().clamp(min=torch.finfo(torch.float64).tiny)
+    return kid(x.double() / scale, reference.double() / scale)
+
+
 def pixel_features(images: Tensor, size: int = PIXEL_SIZE) -> Tensor:
     """The model-free judge's features: images [N, C, H, W] area-downsampled to ``size`` x ``size`` and flattened,
     [N, C size^2]; `kid` of these is the pixel-space KID. An image smaller than ``size`` is repeated pixel by

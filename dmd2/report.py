@@ -16,3 +16,38 @@ def format_table(rows: list[tuple[str, dict[str, float]]], columns: dict[str, st
     lines = ["| row | " + " | ".join(columns.values()) + " |", "|---|" + "---:|" * len(columns)]
     lines += [f"| {name} | " + " | ".join(_cell(scores, key) for key in columns) + " |" for name, scores in rows]
     return "\n".join(lines)
+
+
+def judges_verdict(row: tuple[str, dict[str, float]], baseline: tuple[str, dict[str, float]],
+                   judges: dict[str, str]) -> str:
+    """Whether ``row`` is closer to the reference than ``baseline`` by every judge in ``judges`` (score keys of
+    distances, lower is closer -> headings), said as a claim only when the judges that measured both agree: a
+    win that one judge sees and another contradicts is reported as contradicted, not as a win."""
+    (name, scores), (base_name, base) = row, baseline
+    measured = [key for key in judges if key in scores and key in base]
+    if not measured:
+        return f"{name} vs {base_name}: no judge measured both"
+    readings = [f"{judges[key]} {scores[key]:.4g} {'<' if scores[key] < base[key] else '>='} {base[key]:.4g}"
+                for key in measured]
+    closer = [scores[key] < base[key] for key in measured]
+    if all(closer):
+        verdict = "closer by every judge" if len(measured) > 1 else "closer by the one judge that measured both"
+    elif not any(closer):
+        verdict = "not closer, by any judge"
+    else:
+        verdict = "CONTRADICTED: the judges disagree, no claim"
+    return f"{name} vs {base_name}: {verdict} ({'; '.join(readings)})"
+
+
+def rank_by_judges(rows: list[tuple[str, dict[str, float]]], judges: dict[str, str]) -> str:
+    """A Markdown table of each row's rank by each judge (1: closest), and whether the judges rank it alike: a
+    recipe search ranks by all of them, so a variant tuned on one judge cannot win on that judge alone."""
+    ranks = {key: {name: 1 + sorted(s[key] for _, s in rows).index(scores[key]) for name, scores in rows}
+             for key in judges}
+    lines = ["| row | " + " | ".join(f"rank by {heading}" for heading in judges.values()) + " | judges |",
+             "|---|" + "---:|" * len(judges) + "---|"]
+    for name, _ in sorted(rows, key=lambda row: sum(ranks[key][row[0]] for key in judges)):
+        spread = max(ranks[key][name] for key in judges) - min(ranks[key][name] for key in judges)
+        lines.append(f"| {name} | " + " | ".join(str(ranks[key][name]) for key in judges)
+                     + f" | {'agree' if spread <= 1 else f'disagree by {spread} places'} |")
+    return "\n".join(lines)

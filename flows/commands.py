@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dmd2.config import ConfigError
 from dmd2.family import default_cache_dir, family_class
-from dmd2.report import format_table
+from dmd2.report import format_table, judges_verdict
 from flows.preflight import preflight, preflight_evaluation
 from flows.recipe import DEFAULT_RECIPE
 
@@ -48,13 +48,13 @@ def add_distill_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
-    """Check everything cheap, then run the distill flow; returns (its result, the family's columns)."""
+    """Check everything cheap, then run the distill flow; returns (its result, the family)."""
     checked = preflight(args.recipe, args.overrides, args.rollouts, run_id=args.run_id or args.recipe.stem,
                         store_uri=args.store, output_dir=args.output_dir, cache_dir=args.cache_dir,
                         ray_address=args.ray_address, tracking_uri=args.tracking_uri)
     from infra.store import ArtifactStore, LeaseHeldError, RunLease
 
-    family = family_class(checked.family)()  # the family itself, for its columns
+    family = family_class(checked.family)()  # the family itself, for its columns and judges
     run_id = checked.run_id
     try:  # before Prefect and Ray are imported: a store that does not open, or a run id in use, costs seconds
         RunLease.check_free(ArtifactStore(checked.store_uri), run_id)
@@ -67,7 +67,7 @@ def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
     result = distill(recipe=str(args.recipe), run_id=run_id, rollouts=args.rollouts, overrides=args.overrides,
                      store_uri=args.store, ray_address=args.ray_address, tracking_uri=tracking,
                      cache_dir=str(args.cache_dir), output_dir=str(args.output_dir))
-    return result, family.report_columns
+    return result, family
 
 
 def _report(result: dict, columns: dict[str, str], tracking_uri: str | None) -> None:
@@ -93,17 +93,20 @@ def _report(result: dict, columns: dict[str, str], tracking_uri: str | None) -> 
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    result, columns = _distill(args)
-    _report(result, columns, args.tracking_uri)
+    result, family = _distill(args)
+    _report(result, family.report_columns, args.tracking_uri)
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """The built-in default end to end: the distill flow, then its student beside the family's baselines."""
-    result, columns = _distill(args)
-    rows = [*(result["baselines"] or []), (f"DMD2 student (this run, {result['rollouts']} rollouts)", result["eval"])]
-    print("\n" + format_table(rows, columns))
-    _report(result, columns, args.tracking_uri)
+    result, family = _distill(args)
+    student = (f"DMD2 student (this run, {result['rollouts']} rollouts)", result["eval"])
+    baselines = [tuple(row) for row in result["baselines"] or []]
+    print("\n" + format_table([*baselines, student], family.report_columns) + "\n")
+    for baseline in baselines:  # a claim over a baseline only where the family's judges agree
+        print(judges_verdict(student, baseline, family.judges))
+    _report(result, family.report_columns, args.tracking_uri)
     return 0
 
 

@@ -93,8 +93,8 @@ def _table(args: argparse.Namespace) -> int:
 
     from dmd2.config import ConfigError, load_recipe, parse_overrides
     from dmd2.families.digits.family import DigitsFamily
-    from dmd2.families.digits.table import DISTILL_SECONDS, quality_table
-    from dmd2.report import format_table
+    from dmd2.families.digits.table import DISTILL_SECONDS, quality_table, teacher_row_name
+    from dmd2.report import format_table, judges_verdict
 
     variants = [name.strip() for name in args.variants.split(",") if name.strip()]
     unknown = [name for name in variants if name not in TABLE_VARIANTS]
@@ -113,7 +113,12 @@ def _table(args: argparse.Namespace) -> int:
                 continue
             recipes[f"DMD2 student ({Path(path).stem}{label})"] = config
     columns = DigitsFamily.report_columns | {DISTILL_SECONDS: "wall s"}
-    print(format_table(quality_table(recipes, args.cache_dir), columns))
+    rows = quality_table(recipes, args.cache_dir)
+    print(format_table(rows, columns) + "\n")
+    teacher_rows = dict(rows)
+    for name, config in recipes.items():  # each student against the teacher at its step count, by both judges
+        baseline = teacher_row_name(config.student.num_steps, config.dmd2.teacher_guidance_scale)
+        print(judges_verdict((name, teacher_rows[name]), (baseline, teacher_rows[baseline]), DigitsFamily.judges))
     return 0
 
 

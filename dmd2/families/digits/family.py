@@ -29,7 +29,8 @@ class DigitsFamily(ModelFamily):
     name = "digits"
     gate_metric = "eval/fd_teacher"
     report_columns = {"eval/fd_real": "FD vs real", "eval/fd_teacher": "FD vs teacher 32-step",
-                      "eval/accuracy": "class accuracy"}
+                      "eval/pixel_kid_teacher": "pixel KID vs teacher", "eval/accuracy": "class accuracy"}
+    judges = {"eval/fd_teacher": "FD (evaluator's features)", "eval/pixel_kid_teacher": "pixel KID"}
     generate_example = (0, 1, 2, 3)  # class labels
     generated_shape = IMAGE_SHAPE[1:]
     # The mid block's attention, every resnet's convs and its timestep projection (a few-step student reads

@@ -36,6 +36,10 @@ def _steps(n: int) -> str:
     return f"{n} step" if n == 1 else f"{n} steps"
 
 
+def teacher_row_name(steps: int, guidance: float) -> str:
+    return f"teacher, {_steps(steps)}, guidance {guidance:g}"
+
+
 def _distill(config: DistillConfig, teacher: torch.nn.Module, cache_dir: Path, name: str) -> torch.nn.Module:
     """The recipe's student (default: a copy of the teacher) and critic, distilled in process; with
     `[student] ema_decay` the student holds its EMA's weights, as a flow's evaluation and export do."""
@@ -77,7 +81,7 @@ def quality_table(recipes: dict[str, DistillConfig], cache_dir: Path) -> list[Ro
     for scale in (guidance, 1.0):
         for steps in (ev.reference_steps, 4, 1):
             scores = yardstick.score_model(teacher_fn, sampler="teacher", num_steps=steps, guidance_scale=scale)
-            rows.append(_row(f"teacher, {_steps(steps)}, guidance {scale:g}", scores))
+            rows.append(_row(teacher_row_name(steps, scale), scores))
     for steps in (4, 1):
         scores = yardstick.score_model(teacher_fn, sampler="student", num_steps=steps)
         rows.append(_row(f"untrained student, {_steps(steps)}", scores))

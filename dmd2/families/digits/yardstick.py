@@ -3,7 +3,9 @@
 
 Every generated set is scored the same way: N samples with balanced labels from a fixed seed, features
 from the project's evaluator, FD against the held-out split (quality) and against the teacher's own
-many-step guided samples (fidelity), and the fraction classified as the requested digit.
+many-step guided samples (fidelity), and the fraction classified as the requested digit. A second judge, which
+no model of this project trained: KID on the pixels themselves against the teacher's samples (`pixel_kid_teacher`,
+dmd2/metrics.py), so that a recipe tuned on the evaluator's features cannot flatter only them.
 """
 
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from torch import Tensor
 from dmd2.conditioning import ClassLabels
 from dmd2.families.digits.data import IMAGE_SHAPE, NULL_CLASS, NUM_CLASSES, DigitsSplits, balanced_labels
 from dmd2.families.digits.evaluator import DigitsEvaluator, fd_between
+from dmd2.metrics import kid_to_reference
 from dmd2.model import Cond, VelocityFn
 from dmd2.sample import generate
 
@@ -30,6 +33,7 @@ class Yardstick:
     labels: Tensor
     real_features: np.ndarray
     teacher_features: np.ndarray
+    teacher_pixels: Tensor  # the teacher's reference samples, flattened: the model-free judge's reference
     seed: int
 
     @classmethod
@@ -42,19 +46,21 @@ class Yardstick:
         reference = generate(teacher, cond, neg_cond, IMAGE_SHAPE, sampler="teacher", num_steps=reference_steps,
                              guidance_scale=guidance_scale, seed=seed + REFERENCE_SEED_OFFSET)
         return cls(evaluator, labels, evaluator.features(splits.test_images).numpy(),
-                   evaluator.features(reference).numpy(), seed)
+                   evaluator.features(reference).numpy(), reference.flatten(1), seed)
 
     @property
     def conds(self) -> tuple[Cond, Cond]:
         return DIGIT_CONDS.for_labels(self.labels)
 
     def score(self, images: Tensor, labels: Tensor | None = None) -> dict[str, float]:
-        """{fd_real, fd_teacher, accuracy} of images generated for `labels` (default: the yardstick's)."""
+        """{fd_real, fd_teacher, pixel_kid_teacher, accuracy} of images generated for `labels` (default: the
+        yardstick's)."""
         labels = self.labels if labels is None else labels
         features = self.evaluator.features(images).numpy()
         return {
             "fd_real": fd_between(features, self.real_features),
             "fd_teacher": fd_between(features, self.teacher_features),
+            "pixel_kid_teacher": kid_to_reference(images.flatten(1), self.teacher_pixels),
             "accuracy": self.evaluator.accuracy(images, labels),
         }
 

@@ -26,7 +26,7 @@ def _table(args: argparse.Namespace) -> int:
     from dmd2.family import checked_family
     from dmd2.families.sd3.family import SD3Family
     from dmd2.families.sd3.table import DISTILL_SECONDS, quality_table
-    from dmd2.report import format_table
+    from dmd2.report import format_table, judges_verdict
 
     config = load_recipe(args.recipe, parse_overrides(args.overrides))
     if checked_family(config) != SD3Family.name:
@@ -36,7 +36,10 @@ def _table(args: argparse.Namespace) -> int:
                           "digits family's table")
     torch.set_num_threads(args.threads)
     columns = SD3Family.report_columns | {DISTILL_SECONDS: "wall s"}
-    print(format_table(quality_table(config, args.cache_dir), columns))
+    rows = quality_table(config, args.cache_dir)
+    print(format_table(rows, columns) + "\n")
+    student, few_steps = rows[-1], rows[1]  # the distilled student, and the teacher at its step count
+    print(judges_verdict(student, few_steps, SD3Family.judges))
     return 0
 
 

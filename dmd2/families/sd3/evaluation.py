@@ -40,7 +40,7 @@ from dmd2.family import Evaluation, default_cache_dir
 from dmd2.families.sd3.conditioning import negative_indices, prompt_indices
 from dmd2.families.sd3.judges import ClipScorer, Judge, load_judge, on_device
 from dmd2.families.sd3.prompts import read_prompts
-from dmd2.metrics import diversity, kid, pixel_features
+from dmd2.metrics import diversity, kid_to_reference, pixel_features
 from dmd2.model import HostCalls, VelocityFn
 from dmd2.precision import in_run_precision, teacher_dtype
 from dmd2.sample import generate
@@ -230,9 +230,9 @@ class SD3Evaluator:
     def _scores(self, latents: Tensor) -> tuple[dict[str, float], Tensor]:
         images = self.decode(latents)
         spaces, reference, prompt_of = self._spaces(images), self._reference_spaces(), self.prompt_of()
-        scores = {"eval/pixel_kid_teacher": kid(spaces["pixels"], reference["pixels"])}
+        scores = {"eval/pixel_kid_teacher": kid_to_reference(spaces["pixels"], reference["pixels"])}
         if "features" in spaces:
-            scores["eval/kid_teacher"] = kid(spaces["features"], reference["features"])
+            scores["eval/kid_teacher"] = kid_to_reference(spaces["features"], reference["features"])
         scores[DISTANCE] = scores.get("eval/kid_teacher", scores["eval/pixel_kid_teacher"])
         space = "features" if "features" in spaces else "pixels"
         spread, teacher_spread = diversity(spaces[space], prompt_of), diversity(reference[space], prompt_of)

@@ -74,6 +74,7 @@ class SD3Family(ModelFamily):
     report_columns = {"eval/kid_teacher": "KID vs teacher", "eval/pixel_kid_teacher": "pixel KID vs teacher",
                       "eval/diversity_ratio": "diversity / teacher's", "eval/clip_score": "CLIP score",
                       "eval/prompt_accuracy": "prompt accuracy"}
+    judges = {"eval/kid_teacher": "KID ([eval] feature_model)", "eval/pixel_kid_teacher": "pixel KID"}
     generate_example = ("a photo of a cat",)  # prompts
     generated_shape = (-1, -1, 3)  # [data] resolution, RGB
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # the MMDiT's attention (diffusers' SD3 LoRA script's)

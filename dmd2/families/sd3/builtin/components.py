@@ -5,6 +5,8 @@ loads through the same `from_pretrained` code as a hub SD3.5 snapshot.
 The built-in text teacher (`pretrain`) is made of these, and the tests' random tiny pipelines are too.
 """
 
+import string
+
 import torch
 from diffusers import AutoencoderKL, SD3Transformer2DModel
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel
@@ -35,13 +37,13 @@ def clip_tokenizer(max_length: int, words: list[str] = ()) -> CLIPTokenizer:
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
 
 
-def t5_tokenizer(words: list[str]) -> T5TokenizerFast:
-    """A Unigram tokenizer over `words` and the letters (T5's layout: <pad>, </s>, <unk> first).
-
-    Built with the `tokenizers` library through transformers, so no sentencepiece model is needed."""
+def t5_tokenizer(words: list[str], characters: str = string.ascii_lowercase + string.digits) -> T5TokenizerFast:
+    """A Unigram tokenizer over `words` and single `characters` (T5's layout: <pad>, </s>, <unk> first), so any
+    word of those characters is spelled out. Built with the `tokenizers` library through transformers, so no
+    sentencepiece model is needed."""
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     pieces += [("\u2581" + word, -1.0) for word in words]
-    pieces += [(letter, -5.0) for letter in "abcdefghijklmnopqrstuvwxyz"]
+    pieces += [(character, -5.0) for character in characters]
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
 
 

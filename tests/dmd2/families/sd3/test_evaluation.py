@@ -70,7 +70,8 @@ def test_scores_match_an_explicit_computation(sd3_dir, sd3_pipe, tmp_path):
     assert len(latents) == len(reference) == 4 and evaluator.prompt_of().tolist() == [0, 1, 0, 1]
     images, reference_images = decoded(sd3_dir, latents), decoded(sd3_dir, reference)
     pixels = pixel_features(images)
-    expected_kid = kid(pixels, pixel_features(reference_images))
+    scale = pixel_features(reference_images).double().pow(2).mean().sqrt()  # the reference's RMS entry
+    expected_kid = kid(pixels.double() / scale, pixel_features(reference_images).double() / scale)
     scores = evaluation.scores
     assert scores["eval/pixel_kid_teacher"] == pytest.approx(expected_kid, rel=1e-4, abs=1e-7)
     assert scores["eval/distance_teacher"] == scores["eval/pixel_kid_teacher"] and "eval/kid_teacher" not in scores
@@ -117,7 +118,9 @@ def test_a_feature_model_is_the_judge_of_the_distance_and_the_diversity(build, s
             return model(pixel_values=pixels).pooler_output  # DINOv2: the layer-normed CLS token
 
     ours, teacher = features(evaluator.student_share(student)), features(evaluator.teacher_samples()["reference"])
-    assert scores["eval/kid_teacher"] == pytest.approx(kid(ours, teacher), rel=1e-4, abs=1e-7)
+    scale = teacher.double().pow(2).mean().sqrt()  # both divided by the reference's RMS entry
+    assert scores["eval/kid_teacher"] == pytest.approx(kid(ours.double() / scale, teacher.double() / scale),
+                                                       rel=1e-4, abs=1e-7)
     assert scores["eval/distance_teacher"] == scores["eval/kid_teacher"] != scores["eval/pixel_kid_teacher"]
     spread = [(ours[p] - ours[p + 2]).norm().item() for p in (0, 1)]
     assert scores["eval/diversity"] == pytest.approx(sum(spread) / 2, rel=1e-4)

@@ -8,6 +8,7 @@ VAE stay as small as the transformer's input widths allow. `build_tiny_sd_pipeli
 Diffusion 1.x pipeline with a DDPM scheduler: the teacher the SD3 family must refuse.
 """
 
+import string
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ def clip_tokenizer(max_length: int = CLIP_MAX_LENGTH):
 
 
 def t5_tokenizer():
-    return components.t5_tokenizer(T5_WORDS)
+    return components.t5_tokenizer(T5_WORDS, string.ascii_lowercase)
 
 
 def clip_text_config(vocab_size: int, projection_dim: int | None = None, max_length: int = CLIP_MAX_LENGTH):
