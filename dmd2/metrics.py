@@ -12,7 +12,7 @@ from torch import Tensor
 PIXEL_SIZE = 32  # the model-free judge's pictures: area-downsampled to 32 x 32, so it costs little at 1024 px
 
 
-def kid(x: Tensor, y: Tensor) -> float:
+def kid(x: Tensor, y: Tensor, groups: tuple[Tensor, Tensor] | None = None) -> float:
     """Kernel Inception Distance: the unbiased estimate of MMD^2 between the sets ``x`` [N, d] and ``y`` [M, d]
     (N, M >= 2) under the cubic polynomial kernel k(a, b) = (a.b / d + 1)^3 (Binkowski et al. 2018, "Demystifying
     MMD GANs", eq. 4 and §4), in float64:
@@ -26,6 +26,13 @@ def kid(x: Tensor, y: Tensor) -> float:
     any N and M (a single estimate may be negative). This is why an evaluation of tens of samples reports KID
     and not the Frechet distance, whose plug-in estimate is biased upwards by a term that shrinks like 1/N and
     dominates at such sizes (Binkowski et al. §4; Chong & Forsyth 2020).
+
+    ``groups``: each sample's group in ``x`` and in ``y`` (e.g. its prompt), when the sets are stratified (every
+    group drawn a fixed number of times) rather than drawn from the mixture: then every term is the mean over
+    groups g, h of the mean kernel between group g's and group h's samples (pairs i != j within a set), which is
+    unbiased for the mixtures with equal group weights. The plain formula is not: a stratified set holds fewer
+    same-group pairs (n - 1 of N - 1 partners) than a cross pair does (n of N), so with groups that cluster it
+    reads below 0 for two samples of one distribution (e.g. -0.11 with 10 digits drawn 10 times each).
     """
     if x.ndim != 2 or y.ndim != 2 or x.shape[1] != y.shape[1]:
         raise ValueError(f"kid takes feature matrices [N, d] and [M, d], got {tuple(x.shape)} and {tuple(y.shape)}")
@@ -33,24 +40,39 @@ def kid(x: Tensor, y: Tensor) -> float:
         raise ValueError(f"kid needs at least 2 samples per set, got {len(x)} and {len(y)}")
     x, y = x.double(), y.double()
     dim = x.shape[1]
+    x_groups, y_groups = groups if groups is not None else (torch.zeros(len(x)), torch.zeros(len(y)))
+    if not torch.equal(x_groups.unique(), y_groups.unique()):
+        raise ValueError("kid's groups: both sets must hold the same groups")
 
     def kernel(a: Tensor, b: Tensor) -> Tensor:
         return (a @ b.T / dim + 1) ** 3
 
-    def within(k: Tensor) -> Tensor:  # the mean over pairs i != j
-        n = len(k)
-        return (k.sum() - k.diagonal().sum()) / (n * (n - 1))
+    def weights(row_groups: Tensor, column_groups: Tensor, within: bool) -> Tensor:
+        """Each pair's weight: 1 / (G^2 n_g n_h), n_h - 1 partners when pairs i != j of one group."""
+        same = row_groups[:, None] == column_groups[None, :]
+        rows = (row_groups[:, None] == row_groups[None, :]).sum(1, dtype=torch.float64)
+        columns = (column_groups[:, None] == column_groups[None, :]).sum(1, dtype=torch.float64)
+        partners = columns[None, :] - (same.double() if within else 0)
+        pair = torch.where(partners > 0, 1 / (rows[:, None] * partners.clamp(min=1)), 0.0)
+        if within:
+            pair.fill_diagonal_(0)
+        return pair / len(row_groups.unique()) ** 2
 
-    return (within(kernel(x, x)) + within(kernel(y, y)) - 2 * kernel(x, y).mean()).item()
+    return ((kernel(x, x) * weights(x_groups, x_groups, True)).sum()
+            + (kernel(y, y) * weights(y_groups, y_groups, True)).sum()
+            - 2 * (kernel(x, y) * weights(x_groups, y_groups, False)).sum()).item()
 
 
-def kid_to_reference(x: Tensor, reference: Tensor) -> float:
-    """`kid` of ``x`` against ``reference`` after dividing both by the reference's root mean square entry: the
-    cubic kernel's a.b / d is then O(1) whatever the judge's scale. KID's kernel was made for Inception's features
-    (entries well under 1); on features with entries in the tens (a small classifier's ReLU layer) the cubic term
-    is in the millions, and the estimate's spread with it, so a student's KID reads as noise (e.g. -429)."""
-    scale = reference.double().pow(2).mean().sqrt().clamp(min=torch.finfo(torch.float64).tiny)
-    return kid(x.double() / scale, reference.double() / scale)
+def kid_to_reference(x: Tensor, reference: Tensor, groups: tuple[Tensor, Tensor] | None = None) -> float:
+    """`kid` of ``x`` against ``reference`` in the reference's own units: both centred on the reference's mean and
+    divided by its root mean square deviation, so that a.b / d is about 0 between two independent samples of the
+    reference and 1 for a sample with itself, whatever the judge's offset and scale. KID's cubic kernel was sized
+    for Inception's features (entries well under 1); on a small classifier's ReLU features (entries in the tens,
+    all positive) a.b / d is in the tens, the cubic term in the thousands, and the estimate's spread with it."""
+    x, reference = x.double(), reference.double()
+    mean = reference.mean(0)
+    scale = (reference - mean).pow(2).mean().sqrt().clamp(min=torch.finfo(torch.float64).tiny)
+    return kid((x - mean) / scale, (reference - mean) / scale, groups)
 
 
 def pixel_features(images: Tensor, size: int = PIXEL_SIZE) -> Tensor:

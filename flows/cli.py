@@ -5,7 +5,7 @@
     dmd2 evaluate --student DIR         score a student directory the way its family evaluates students
     dmd2 serve --name N [--cron C]      serve the distill flow as a deployment (prefect deployment run)
     dmd2 plan --gpu-memory 80GiB        each GPU's memory in every stage of a rollout, before the run
-    plus each model family's own commands (digits: pretrain, sample, table)
+    plus each model family's own commands (digits: pretrain, sample, table; sd3: text-table)
 
 Recipe options can be overridden on the command line: --set SECTION.KEY=VALUE (repeatable), e.g.
     dmd2 distill --recipe recipes/digits-1step.toml --set train.rollouts=50 --set optim.lr=3e-5

@@ -113,12 +113,33 @@ def test_diversity_is_the_mean_over_groups_of_the_mean_pairwise_distance():
         diversity(features[:2], torch.tensor([0, 1]))
 
 
-def test_kid_to_reference_reads_the_same_at_any_feature_scale():
-    """The judge's scale is divided out (the reference's RMS entry): a feature model whose entries are in the
-    hundreds gives the KID of the same features at unit scale."""
+def test_kid_to_reference_reads_the_same_at_any_feature_offset_and_scale():
+    """The judge's offset and scale are divided out (the reference's mean and RMS deviation): features in the
+    hundreds, all positive, give the KID of the same features centred at unit scale."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(40, 8, generator=generator, dtype=torch.float64) + 0.5
     y = torch.randn(50, 8, generator=generator, dtype=torch.float64)
-    unit = y.pow(2).mean().sqrt()
-    assert kid_to_reference(300 * x, 300 * y) == pytest.approx(kid(x / unit, y / unit), rel=1e-9)
-    assert kid_to_reference(x, y) == pytest.approx(kid(x / unit, y / unit), rel=1e-9)
+    mean = y.mean(0)
+    unit = (y - mean).pow(2).mean().sqrt()
+    expected = kid((x - mean) / unit, (y - mean) / unit)
+    assert kid_to_reference(300 * x + 1000, 300 * y + 1000) == pytest.approx(expected, rel=1e-9)
+    assert kid_to_reference(x, y) == pytest.approx(expected, rel=1e-9)
+
+
+def test_kid_of_stratified_sets_is_unbiased_with_their_groups_and_biased_without():
+    """Two sets of one mixture of 5 tight clusters, each cluster drawn 4 times per set (an eval set's prompts, each
+    from several noises): with the groups KID averages 0; the plain formula reads below 0, by the stratification's
+    missing same-group pairs."""
+    generator = torch.Generator().manual_seed(0)
+    centres = 3 * torch.randn(5, 6, generator=generator, dtype=torch.float64)
+    groups = torch.arange(5).repeat(4)
+
+    def draw():
+        return centres[groups] + 0.3 * torch.randn(20, 6, generator=generator, dtype=torch.float64)
+
+    trials = [(kid(a, b, (groups, groups)), kid(a, b)) for a, b in ((draw(), draw()) for _ in range(400))]
+    grouped, plain = torch.tensor(trials).T
+    assert abs(grouped.mean()) < 4 * grouped.std() / math.sqrt(len(grouped))
+    assert plain.mean() < -10 * plain.std() / math.sqrt(len(plain))
+    with pytest.raises(ValueError, match="same groups"):
+        kid(draw(), draw(), (groups, groups.clamp(max=3)))

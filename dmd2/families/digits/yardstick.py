@@ -60,7 +60,7 @@ class Yardstick:
         return {
             "fd_real": fd_between(features, self.real_features),
             "fd_teacher": fd_between(features, self.teacher_features),
-            "pixel_kid_teacher": kid_to_reference(images.flatten(1), self.teacher_pixels),
+            "pixel_kid_teacher": kid_to_reference(images.flatten(1), self.teacher_pixels, (labels, self.labels)),
             "accuracy": self.evaluator.accuracy(images, labels),
         }
 

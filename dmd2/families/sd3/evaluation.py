@@ -6,7 +6,7 @@ noise k), the same seeded noise every evaluation, so that grids of successive ev
 picture. Scores, each of the decoded pictures (docs/architecture.md, "The SD3 evaluation"):
 
 - `eval/pixel_kid_teacher`: KID (dmd2/metrics.py) between the student's pictures and the teacher's reference ones
-  (`[eval] reference_steps` guided Euler steps from the same noise) on pixels area-downsampled to 32 x 32: the
+  (`[eval] reference_steps` guided Euler steps from noise of their own) on pixels area-downsampled to 32 x 32: the
   model-free judge, always reported;
 - `eval/kid_teacher`: the same KID in `[eval] feature_model`'s features, when one is set;
 - `eval/distance_teacher`: the gate (`SD3Family.gate_metric`), the feature KID when a feature model is set, else the
@@ -50,6 +50,10 @@ from dmd2.sample import generate
 # The registry compares it across the versions of one registered model: their runs should share `[eval]
 # feature_model`.
 DISTANCE = "eval/distance_teacher"
+# The reference's noise is not the student's: KID assumes independent sets, and a student's picture drawn from the
+# same noise as its reference picture shares much of it, which biases the estimate down (the digits yardstick does
+# the same). The teacher at the reference's settings from the student's noise then measures the floor.
+REFERENCE_SEED_OFFSET = 1_000_003
 DECODE_BATCH = 4  # latents per VAE decode: at 1024 px the decoder's activations take GBs per picture
 
 
@@ -137,18 +141,20 @@ class SD3Evaluator:
         teacher = HostCalls(in_run_precision(self.family.velocity(model), self.config, self.device.type), self.device)
         cond, neg = self.conds()
         samples = {}
-        grids = {"reference": self.config.eval.reference_steps, "baseline": self.config.student.num_steps}
-        for name, steps in grids.items():
+        seed = self.config.train.seed
+        grids = {"reference": (self.config.eval.reference_steps, seed + REFERENCE_SEED_OFFSET),
+                 "baseline": (self.config.student.num_steps, seed)}
+        for name, (steps, noise_seed) in grids.items():
             latents = generate(teacher, cond, neg, self.latent_shape(), sampler="teacher", num_steps=steps,
                                guidance_scale=self.config.dmd2.teacher_guidance_scale,
-                               shift=self.config.student.grid_shift, seed=self.config.train.seed, clamp=False,
-                               rows=rows)
+                               shift=self.config.student.grid_shift, seed=noise_seed, clamp=False, rows=rows)
             samples[name] = latents.cpu() if kept else latents[:0].cpu()
         return samples
 
     def teacher_samples(self) -> dict[str, Tensor]:
-        """The teacher's own latents from the student's noise: "reference" at `[eval] reference_steps` (what the
-        KIDs compare the student's pictures with; the teacher's grid) and "baseline" at the student's step count.
+        """The teacher's own latents: "reference" at `[eval] reference_steps` from noise of its own (what the KIDs
+        compare the student's pictures with; the teacher's grid) and "baseline" at the student's step count from the
+        student's noise.
         Made here at the first need unless handed in (`with_references`: made by the ranks' shares, or earlier in
         the run)."""
         if self._teacher_samples is None:
@@ -164,7 +170,8 @@ class SD3Evaluator:
         config = self.config
         settings = [config.model.teacher, self.prompts, config.eval.reference_steps, config.student.num_steps,
                     config.student.grid_shift, config.dmd2.teacher_guidance_scale, config.train.seed,
-                    config.data.resolution, config.train.mixed_precision, config.eval.samples_per_prompt]
+                    config.data.resolution, config.train.mixed_precision, config.eval.samples_per_prompt,
+                    REFERENCE_SEED_OFFSET]
         return "teacher-" + hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
 
     def references(self) -> dict[str, Tensor]:
@@ -230,9 +237,10 @@ class SD3Evaluator:
     def _scores(self, latents: Tensor) -> tuple[dict[str, float], Tensor]:
         images = self.decode(latents)
         spaces, reference, prompt_of = self._spaces(images), self._reference_spaces(), self.prompt_of()
-        scores = {"eval/pixel_kid_teacher": kid_to_reference(spaces["pixels"], reference["pixels"])}
+        strata = (prompt_of, prompt_of)  # both sets hold each prompt samples_per_prompt times
+        scores = {"eval/pixel_kid_teacher": kid_to_reference(spaces["pixels"], reference["pixels"], strata)}
         if "features" in spaces:
-            scores["eval/kid_teacher"] = kid_to_reference(spaces["features"], reference["features"])
+            scores["eval/kid_teacher"] = kid_to_reference(spaces["features"], reference["features"], strata)
         scores[DISTANCE] = scores.get("eval/kid_teacher", scores["eval/pixel_kid_teacher"])
         space = "features" if "features" in spaces else "pixels"
         spread, teacher_spread = diversity(spaces[space], prompt_of), diversity(reference[space], prompt_of)

@@ -57,6 +57,14 @@ def test_grid_puts_image_i_at_row_i_over_columns():
     assert (grid[4:6, 4:6] == 0).all()  # no third column: the last cell stays the border's black
 
 
+def in_reference_units_kid(x, reference, prompt_of):
+    """KID with both sets centred on the reference's mean and divided by its RMS deviation, stratified by prompt."""
+    x, reference = x.double(), reference.double()
+    mean = reference.mean(0)
+    scale = (reference - mean).pow(2).mean().sqrt()
+    return kid((x - mean) / scale, (reference - mean) / scale, (prompt_of, prompt_of))
+
+
 def test_scores_match_an_explicit_computation(sd3_dir, sd3_pipe, tmp_path):
     """The eval set is each prompt from 2 noises (row k P + p: prompt p, noise k); without a feature model the
     distance is the pixel KID and diversity is measured on pixels; the CLIP score is CLIPProcessor's and
@@ -70,8 +78,7 @@ def test_scores_match_an_explicit_computation(sd3_dir, sd3_pipe, tmp_path):
     assert len(latents) == len(reference) == 4 and evaluator.prompt_of().tolist() == [0, 1, 0, 1]
     images, reference_images = decoded(sd3_dir, latents), decoded(sd3_dir, reference)
     pixels = pixel_features(images)
-    scale = pixel_features(reference_images).double().pow(2).mean().sqrt()  # the reference's RMS entry
-    expected_kid = kid(pixels.double() / scale, pixel_features(reference_images).double() / scale)
+    expected_kid = in_reference_units_kid(pixels, pixel_features(reference_images), evaluator.prompt_of())
     scores = evaluation.scores
     assert scores["eval/pixel_kid_teacher"] == pytest.approx(expected_kid, rel=1e-4, abs=1e-7)
     assert scores["eval/distance_teacher"] == scores["eval/pixel_kid_teacher"] and "eval/kid_teacher" not in scores
@@ -118,9 +125,7 @@ def test_a_feature_model_is_the_judge_of_the_distance_and_the_diversity(build, s
             return model(pixel_values=pixels).pooler_output  # DINOv2: the layer-normed CLS token
 
     ours, teacher = features(evaluator.student_share(student)), features(evaluator.teacher_samples()["reference"])
-    scale = teacher.double().pow(2).mean().sqrt()  # both divided by the reference's RMS entry
-    assert scores["eval/kid_teacher"] == pytest.approx(kid(ours.double() / scale, teacher.double() / scale),
-                                                       rel=1e-4, abs=1e-7)
+    assert scores["eval/kid_teacher"] == pytest.approx(in_reference_units_kid(ours, teacher, evaluator.prompt_of()), rel=1e-4, abs=1e-7)
     assert scores["eval/distance_teacher"] == scores["eval/kid_teacher"] != scores["eval/pixel_kid_teacher"]
     spread = [(ours[p] - ours[p + 2]).norm().item() for p in (0, 1)]
     assert scores["eval/diversity"] == pytest.approx(sum(spread) / 2, rel=1e-4)
