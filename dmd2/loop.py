@@ -18,6 +18,7 @@ from dmd2.hooks import ACTOR_HOOKS, CRITIC_HOOKS, score, summarize_critic
 from dmd2.lora import with_role_adapters
 from dmd2.model import DiffusersVelocity, VelocityFn
 from dmd2.plan import RolloutPlan, rollout_plan
+from dmd2.progress import progress_bar
 from dmd2.rollout import rollout_shard
 from dmd2.trainer import HookContext, TrainState, train_state, train_steps
 
@@ -83,3 +84,13 @@ class InProcessDistiller:
             metrics = run_rollout(plan, self.config, self.student, self.critic, self.teacher, self.conds, self.real)
             if on_rollout:
                 on_rollout(rollout_id, metrics)
+
+    def distilled(self, name: str) -> nn.Module:
+        """The recipe's `[train] rollouts` run with a progress bar named ``name``; the student as a run evaluates
+        and exports it (with `[student] ema_decay`: its EMA's weights)."""
+        with progress_bar(self.config.train.rollouts, name, unit="rollout") as bar:
+            self.run(range(self.config.train.rollouts), lambda rollout_id, metrics: bar.update(1))
+        if self.student.ema is not None:
+            with self.student.ema.applied():
+                return copy.deepcopy(self.student.model).eval()
+        return self.student.model.eval()

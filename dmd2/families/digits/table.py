@@ -19,7 +19,6 @@ from dmd2.families.digits.pretrain import resolve_model
 from dmd2.families.digits.yardstick import DIGIT_CONDS, Yardstick
 from dmd2.loop import InProcessDistiller
 from dmd2.model import DiffusersVelocity, load_pretrained
-from dmd2.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +51,7 @@ def _distill(config: DistillConfig, teacher: torch.nn.Module, cache_dir: Path, n
                                                student=load(config.model.student), critic=load(config.model.critic_load),
                                                real=family.run_spec(config, cache_dir).real, gan_tap=family.gan_tap,
                                                lora_targets=family.lora_targets)
-    with progress_bar(config.train.rollouts, name, unit="rollout") as bar:
-        distiller.run(range(config.train.rollouts), lambda rollout_id, metrics: bar.update(1))
-    student = distiller.student
-    if student.ema is not None:
-        with student.ema.applied():
-            return copy.deepcopy(student.model).eval()
-    return student.model.eval()
+    return distiller.distilled(name)
 
 
 def quality_table(recipes: dict[str, DistillConfig], cache_dir: Path) -> list[Row]:

@@ -50,6 +50,13 @@ def _embeddings(output) -> Tensor:
     return output if isinstance(output, Tensor) else output.pooler_output
 
 
+def _pixel_batches(processor, images: Tensor, device: torch.device) -> Iterator[Tensor]:
+    """Pictures [N, 3, H, W] in [-1, 1] as the model's processor prepares them (uint8 first, as a pipeline outputs
+    them), BATCH at a time, on ``device``."""
+    for batch in images.split(BATCH):
+        yield processor(images=to_uint8(batch), return_tensors="pt")["pixel_values"].to(device)
+
+
 @dataclass
 class PretrainedJudge:
     """A transformers vision model and its image processor: CLIP's projected image embeddings, else the pooled
@@ -68,12 +75,9 @@ class PretrainedJudge:
 
     @torch.no_grad()
     def features(self, images: Tensor) -> Tensor:
-        chunks = []
         with on_device(self.model, self.device) as model:
-            for batch in images.split(BATCH):
-                pixels = self.processor(images=to_uint8(batch), return_tensors="pt")["pixel_values"].to(self.device)
-                chunks.append(self._forward(model, pixels).float().cpu())
-        return torch.cat(chunks)
+            return torch.cat([self._forward(model, pixels).float().cpu()
+                              for pixels in _pixel_batches(self.processor, images, self.device)])
 
     @staticmethod
     def _forward(model: nn.Module, pixels: Tensor) -> Tensor:
@@ -115,8 +119,7 @@ class ClipScorer:
         with on_device(self.model, self.device) as model:
             text = self.processor(text=prompts, return_tensors="pt", padding=True, truncation=True).to(self.device)
             text = _embeddings(model.get_text_features(**text))
-            for batch, index in zip(images.split(BATCH), prompt_of.split(BATCH)):
-                pixels = self.processor(images=to_uint8(batch), return_tensors="pt")["pixel_values"].to(self.device)
+            for pixels, index in zip(_pixel_batches(self.processor, images, self.device), prompt_of.split(BATCH)):
                 image = _embeddings(model.get_image_features(pixel_values=pixels))
                 cosine = torch.nn.functional.cosine_similarity(image, text[index.to(self.device)])
                 scores.append((100 * cosine).clamp(min=0).float().cpu())

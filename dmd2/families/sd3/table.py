@@ -18,7 +18,6 @@ import torch
 from dmd2.config import DistillConfig
 from dmd2.families.sd3.family import SD3Family
 from dmd2.loop import InProcessDistiller
-from dmd2.progress import progress_bar
 from dmd2.sample import generate
 
 DISTILL_SECONDS = "time/distill_s"  # the student row's wall time: distilling it and scoring it
@@ -35,14 +34,7 @@ def _distill(config: DistillConfig, family: SD3Family, teacher: torch.nn.Module,
     spec = family.run_spec(config, cache_dir)
     distiller = InProcessDistiller.from_models(config, teacher, spec.conds, spec.sample_shape, velocity=family.velocity,
                                                lora_targets=family.lora_targets)
-    name = f"DMD2 student, {_steps(config.student.num_steps)}"
-    with progress_bar(config.train.rollouts, name, unit="rollout") as bar:
-        distiller.run(range(config.train.rollouts), lambda rollout_id, metrics: bar.update(1))
-    student = distiller.student
-    if student.ema is not None:
-        with student.ema.applied():
-            return copy.deepcopy(student.model).eval()
-    return student.model.eval()
+    return distiller.distilled(f"DMD2 student, {_steps(config.student.num_steps)}")
 
 
 def quality_table(config: DistillConfig, cache_dir: Path) -> list[Row]:
