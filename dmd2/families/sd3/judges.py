@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -58,20 +58,30 @@ def _pixel_batches(processor, images: Tensor, device: torch.device) -> Iterator[
 
 
 @dataclass
-class PretrainedJudge:
-    """A transformers vision model and its image processor: CLIP's projected image embeddings, else the pooled
-    output (DINOv2: the layer-normed CLS token), else the first token's hidden state."""
+class _WithProcessor:
+    """A transformers model and its own processor, loaded once, moved to ``device`` while it works."""
 
     model: nn.Module
     processor: object
     device: torch.device
+    model_class: ClassVar[str]  # transformers' class names
+    processor_class: ClassVar[str]
 
     @classmethod
-    def load(cls, path: str, device: torch.device) -> "PretrainedJudge":
-        from transformers import AutoImageProcessor, AutoModel
+    def load(cls, path: str, device: torch.device):
+        import transformers
 
-        model = AutoModel.from_pretrained(path, use_safetensors=True).eval().requires_grad_(False)
-        return cls(model, AutoImageProcessor.from_pretrained(path), device)
+        model = getattr(transformers, cls.model_class).from_pretrained(path, use_safetensors=True)
+        return cls(model.eval().requires_grad_(False), getattr(transformers, cls.processor_class).from_pretrained(path),
+                   device)
+
+
+@dataclass
+class PretrainedJudge(_WithProcessor):
+    """A transformers vision model and its image processor: CLIP's projected image embeddings, else the pooled
+    output (DINOv2: the layer-normed CLS token), else the first token's hidden state."""
+
+    model_class, processor_class = "AutoModel", "AutoImageProcessor"
 
     @torch.no_grad()
     def features(self, images: Tensor) -> Tensor:
@@ -97,20 +107,11 @@ def load_judge(spec: str, cache_dir: Path, device: torch.device) -> Judge:
 
 
 @dataclass
-class ClipScorer:
+class ClipScorer(_WithProcessor):
     """The CLIP score (Hessel et al. 2021): max(100 cos(image, prompt), 0) per picture, with `[eval] clip_model`'s
     own processor (CLIPProcessor: its resize, crop and normalisation, its tokenizer)."""
 
-    model: nn.Module
-    processor: object
-    device: torch.device
-
-    @classmethod
-    def load(cls, path: str, device: torch.device) -> "ClipScorer":
-        from transformers import CLIPModel, CLIPProcessor
-
-        model = CLIPModel.from_pretrained(path, use_safetensors=True).eval().requires_grad_(False)
-        return cls(model, CLIPProcessor.from_pretrained(path), device)
+    model_class, processor_class = "CLIPModel", "CLIPProcessor"
 
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: list[str], prompt_of: Tensor) -> float:
