@@ -58,7 +58,8 @@ def test_a_teacher_of_no_family_is_refused(tmp_path, capsys):
 def test_every_command_has_help_that_mentions_set(capsys):
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    assert set(commands) == {"run", "distill", "evaluate", "serve", "plan", "pretrain", "sample", "table"}
+    assert set(commands) == {"run", "distill", "evaluate", "serve", "plan", "pretrain", "sample", "table",
+                             "text-table"}
     for name in commands:
         with pytest.raises(SystemExit) as exit_info:
             main([name, "--help"])

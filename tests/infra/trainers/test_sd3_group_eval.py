@@ -51,8 +51,10 @@ def test_a_world_size_2_group_splits_sd3_evaluation_between_its_ranks(shared_ray
         [weights] = {ref.uri: ref for ref in groups.actor.export_weights("sd3/exports/student.safetensors")}.values()
     finally:
         groups.shutdown()
-    # Each rank ran the student on its one prompt, at each of the student's 4 steps; none sampled both.
-    assert batches == [[1] * 4, [1] * 4]
+    # Each rank ran the student on its half of the eval set (each eval prompt from `samples_per_prompt` noises), at
+    # each of the student's 4 steps; no rank sampled the whole set.
+    half = len(EVAL_PROMPTS) * config.eval.samples_per_prompt // 2
+    assert batches == [[half] * 4, [half] * 4]
     bound = family.bind(load_prepared(store, prepared, tmp_path / "cache"))
     student = bound.load_model(str(teacher))
     student.load_state_dict(store.get_tensors(weights))
