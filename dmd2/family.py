@@ -76,7 +76,8 @@ def default_cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class Evaluation:
-    """One evaluation of a student: `eval/...` scores, and media (uint8 pictures, H x W or H x W x C)."""
+    """One evaluation of a student: `eval/...` scores, and media: uint8 pictures (H x W or H x W x C) or videos
+    (F x H x W x C, `dmd2.media.is_video`), which the driver logs as mp4s with a strip of frames beside them."""
 
     scores: dict[str, float]
     media: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
@@ -134,8 +135,8 @@ class Command:
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What every trainer group of a run shares: the recipe, its family, the sample shape [C, H, W],
-    the conditioning source, and the cache directory the family may use on the ranks."""
+    """What every trainer group of a run shares: the recipe, its family, the sample shape ([C, H, W] for pictures,
+    [C, F, H, W] for videos: the algorithm reads any rank), the conditioning source, and the cache directory the family may use on the ranks."""
 
     config: DistillConfig
     family: ModelFamily
@@ -160,7 +161,7 @@ class ModelFamily:
     # so no student of the family is promoted in the model registry).
     gate_metric: ClassVar[str | None] = None
     gate_lower_is_better: ClassVar[bool] = True
-    # `generate`'s inputs for an example (class labels, prompts) and the shape of one picture it makes
+    # `generate`'s inputs for an example (class labels, prompts) and the shape of one picture or video it makes
     # (-1: set by the settings): the logged student model's input example and signature.
     generate_example: ClassVar[tuple[Any, ...]] = ()
     generated_shape: ClassVar[tuple[int, ...]] = ()
@@ -269,18 +270,19 @@ class ModelFamily:
         return {"num_steps": config.student.num_steps, "shift": config.student.grid_shift}
 
     def student_generator(self, student_dir: Path, settings: dict[str, Any]) -> StudentGenerator:
-        """The export in `student_dir`, loaded once, as a call from inputs to pictures (a served model's)."""
+        """The export in `student_dir`, loaded once, as a call from inputs to pictures or videos (a served model's)."""
         raise NotImplementedError
 
     def generate(self, student_dir: Path, inputs: list[Any], settings: dict[str, Any],
                  seed: int = 0) -> list[np.ndarray]:
-        """uint8 pictures (H x W or H x W x C) of the exported student, one per input (a class label, a prompt)."""
+        """uint8 pictures (H x W or H x W x C) or videos (F x H x W x C) of the exported student, one per input (a
+        class label, a prompt)."""
         return self.student_generator(student_dir, settings)(inputs, seed)
 
 
 class StudentGenerator(Protocol):
     def __call__(self, inputs: list[Any], seed: int = 0) -> list[np.ndarray]:
-        """One uint8 picture per input; the same inputs and seed give the same pixels."""
+        """One uint8 picture (or video) per input; the same inputs and seed give the same pixels."""
 
 
 def _registration(name: str) -> Registration:

@@ -58,9 +58,10 @@ class RealSamples:
 
 
 class GanHead(nn.Module):
-    """features [B, C, h, w] (a UNet's bottleneck) or [B, L, C] (a transformer's tokens) -> logits [B].
+    """features [B, C, h, w] or [B, C, f, h, w] (a UNet's bottleneck, of pictures or videos) or [B, L, C] (a
+    transformer's tokens) -> logits [B].
 
-    Per token (a pixel of the feature map, or a token): LayerNorm, Linear(C, H), SiLU, Linear(H, H), SiLU;
+    Per token (a cell of the feature map, or a token): LayerNorm, Linear(C, H), SiLU, Linear(H, H), SiLU;
     then the mean over tokens and Linear(H, 1). Every sample's logit depends on that sample alone.
     """
 
@@ -72,9 +73,10 @@ class GanHead(nn.Module):
         self.out = nn.Linear(hidden, 1)
 
     def forward(self, features: Tensor) -> Tensor:
-        if features.dim() not in (3, 4):
-            raise ValueError(f"the GAN head reads [B, C, h, w] or [B, L, C] features, got {tuple(features.shape)}")
-        tokens = features.flatten(2).transpose(1, 2) if features.dim() == 4 else features
+        if features.dim() < 3:
+            raise ValueError(f"the GAN head reads [B, C, ...] feature maps or [B, L, C] tokens, got "
+                             f"{tuple(features.shape)}")
+        tokens = features.flatten(2).transpose(1, 2) if features.dim() >= 4 else features
         return self.out(self.tokens(tokens).mean(1)).squeeze(1).float()
 
 

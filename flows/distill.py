@@ -145,7 +145,8 @@ def _lineage_artifact(family: ModelFamily, run_id: str, result: RunResult, track
         f"# Distill run `{run_id}`", "", format_table(rows, family.report_columns), "",
         f"- MLflow run: `{result.mlflow_run_id}` at `{redacted(tracker.client.tracking_uri)}`",
         f"- registered model version: `{registered or 'not registered ([registry] register = false)'}`",
-        f"- store prefix: `{store_prefix}`; exported student: `{result.student.uri}`"])
+        f"- store prefix: `{store_prefix}`; exported student: `{result.student.uri}`",
+        *(f"- {name}: `{path}`" for name, path in sorted(result.pictures.items()))])
     key = re.sub(r"[^a-z0-9-]+", "-", f"distill-{run_id}".lower()).strip("-")
     create_markdown_artifact(markdown, key=key, description=f"eval table and lineage of distill run {run_id}")
 
@@ -232,7 +233,7 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
     if start == 0:  # the evaluator's reference pictures (e.g. the teacher's grid), once, at the run's start
         reference = reference_media(run_id)
         for name, picture in (store.get_tensors(reference) if reference else {}).items():
-            tracker.log_image(name, picture.numpy(), step=0)
+            tracker.log_media(name, picture.numpy(), step=0)
     evaluation = None
     with progress_bar(total, f"distill {run_id}", initial=start, unit="rollout") as bar, rollouts_without_heartbeat():
         for rollout_id in range(start, total):
@@ -262,12 +263,12 @@ def rollouts_without_heartbeat():
 
 
 def _evaluate(run_id: str, store: ArtifactStore, tracker: RunTracker, step: int, final: bool):
-    """Rank 0 evaluates; the driver logs the scores and the media (small pictures) at `step`."""
+    """Rank 0 evaluates; the driver logs the scores and the media (small pictures or videos) at `step`."""
     evaluation = evaluate(run_id, step, with_baselines=final)
     tracker.log_metrics(step, evaluation.scores)
     if evaluation.media is not None:
         for name, picture in store.get_tensors(evaluation.media).items():
-            tracker.log_image(name, picture.numpy(), step=step)
+            tracker.log_media(name, picture.numpy(), step=step)
     return evaluation
 
 

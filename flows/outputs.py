@@ -80,8 +80,8 @@ def write_outputs(store: ArtifactStore, result: RunResult, output_dir: Path, tra
     fetch_dir(store, result.student, student_dir)
     pictures = {}
     if result.media is not None:
-        for name, picture in store.get_tensors(result.media).items():
-            pictures[name] = str(save_png(picture.numpy(), local / f"{name}.png"))
+        for name, media in store.get_tensors(result.media).items():
+            pictures[name] = str(save_media(media.numpy(), local, name))
     if new or not tracker.has_artifacts("student"):
         tracker.log_artifacts(student_dir, "student")
     return dataclasses.replace(result, student_dir=str(student_dir), pictures=pictures)
@@ -106,6 +106,21 @@ def fetch_dir(store: ArtifactStore, ref: ArtifactRef, dest: Path) -> None:
         fresh.rename(dest)
     with atomic_file(marker) as tmp:
         tmp.write_text(ref.to_json())
+
+
+def save_media(media: np.ndarray, folder: Path, name: str) -> Path:
+    """A picture as `<name>.png`; a video as `<name>.mp4` with the strip of its frames as `<name>.png` beside it.
+    Returns the picture's or the video's path."""
+    from dmd2.media import frame_strip, is_video
+
+    if not is_video(media):
+        return save_png(media, folder / f"{name}.png")
+    from infra.tracking.video import write_mp4
+
+    save_png(frame_strip(media), folder / f"{name}.png")
+    with atomic_file(folder / f"{name}.mp4") as tmp:
+        write_mp4(media, Path(tmp))
+    return folder / f"{name}.mp4"
 
 
 def save_png(pixels: np.ndarray, path: Path) -> Path:

@@ -156,6 +156,24 @@ class RunTracker:
         self._logged.add((IMAGE_PREFIX + key, step))
         self._wrote = True
 
+    def log_media(self, key: str, media: np.ndarray, step: int) -> None:
+        """A family's media (dmd2/media.py) at `step`: a picture in the image gallery; a video as an mp4 artifact
+        (`videos/<key>/step-<step>.mp4`) with a strip of its frames in the gallery under `key`."""
+        from dmd2.media import frame_strip, is_video
+
+        if not is_video(media):
+            self.log_image(key, media, step)
+            return
+        if (IMAGE_PREFIX + key, step) not in self._logged:  # the strip marks the step logged (a resume replays it)
+            import tempfile
+
+            from infra.tracking.video import write_mp4
+
+            with tempfile.TemporaryDirectory() as tmp:
+                video = write_mp4(media, Path(tmp) / f"step-{step}.mp4")
+                self.client.log_artifact(self.mlflow_run_id, str(video), f"videos/{key}")
+        self.log_image(key, frame_strip(media), step)
+
     def has_artifacts(self, artifact_path: str) -> bool:
         return bool(self.client.list_artifacts(self.mlflow_run_id, artifact_path))
 

@@ -71,7 +71,7 @@ def explicit_logits(head: GanHead, features: torch.Tensor) -> list[float]:
     norm, first, _, second, _ = head.tokens
     logits = []
     for sample in features.detach().double():
-        tokens = sample.reshape(sample.shape[0], -1).T if features.dim() == 4 else sample  # [N, C]
+        tokens = sample.reshape(sample.shape[0], -1).T if features.dim() >= 4 else sample  # [N, C]
         mean, var = tokens.mean(1, keepdim=True), tokens.var(1, unbiased=False, keepdim=True)
         x = (tokens - mean) / torch.sqrt(var + norm.eps) * norm.weight.double() + norm.bias.double()
         for layer in (first, second):
@@ -96,9 +96,10 @@ def mid_features(model, x_s, sigma, cond) -> torch.Tensor:
     return seen[0], v
 
 
-def test_the_head_reads_both_feature_layouts_as_an_explicit_computation():
+def test_the_head_reads_every_feature_layout_as_an_explicit_computation():
     torch.manual_seed(0)
-    for features in (torch.randn(3, 6, 4, 4), torch.randn(3, 5, 6)):  # [B, C, h, w] and [B, L, D]
+    # [B, C, h, w] (pictures), [B, C, f, h, w] (videos) and [B, L, D] (tokens)
+    for features in (torch.randn(3, 6, 4, 4), torch.randn(3, 6, 2, 3, 4), torch.randn(3, 5, 6)):
         head = GanHead(GanTap("any", 6), hidden=7)
         assert head(features).shape == (3,)
         assert head(features).tolist() == pytest.approx(explicit_logits(head, features), rel=1e-5, abs=1e-6)
