@@ -187,6 +187,11 @@ class DataConfig:
                                 "size times the VAE's scale factor).")
     max_sequence_length: int = option(256, "SD3: T5 tokens per prompt (padded to this; 256 is the pipeline's "
                                            "default, up to 512). The student samples with the same length.")
+    frames: int = option(0, "Video: frames per sample; 0: the family's default (Wan: 81; its VAE takes 4k + 1 "
+                            "frames).")
+    height: int = option(0, "Video: height in pixels; 0: `resolution` when set (the square shorthand), else the "
+                            "family's default (Wan: 480).")
+    width: int = option(0, "Video: width in pixels; 0: `resolution` when set, else the family's default (Wan: 832).")
     images: str = option("", "SD3: a folder of real images (png, jpg, jpeg, webp) for the GAN's discriminator, "
                              "required by `[dmd2] critic_gan_weight` > 0; a same-named `.txt` beside an image is "
                              "its caption (else the empty prompt). Center-cropped, resized to `resolution` and "

@@ -74,6 +74,9 @@ def validate(config: "DistillConfig") -> None:
            f"[cluster] placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {cluster.placement_strategy!r}")
     _check(config.data.resolution >= 0, f"[data] resolution must be >= 0 (0: the model's default), got "
                                          f"{config.data.resolution}")
+    for option in ("frames", "height", "width"):
+        value = getattr(config.data, option)
+        _check(value >= 0, f"[data] {option} must be >= 0 (0: the model's default), got {value}")
     _check(1 <= config.data.max_sequence_length <= 512, f"[data] max_sequence_length must be in 1..512 (T5 "
            f"tokens per prompt; SD3's default 256), got {config.data.max_sequence_length}")
     _check(train.keep_rollouts >= 0,

@@ -27,7 +27,8 @@ BUILTIN_DIGITS = "builtin:digits"  # pretrained on sklearn's digits and cached o
 
 # Options only a text-to-image family reads: set under the digits family, they are a mistake.
 TEXT_TO_IMAGE_OPTIONS = (("data", "prompts"), ("data", "negative_prompt"), ("data", "resolution"),
-                         ("data", "max_sequence_length"), ("data", "images"), ("eval", "prompts"),
+                         ("data", "max_sequence_length"), ("data", "images"), ("data", "frames"),
+                         ("data", "height"), ("data", "width"), ("eval", "prompts"),
                          ("eval", "clip_model"), ("eval", "feature_model"), ("eval", "samples_per_prompt"))
 
 

@@ -48,6 +48,10 @@ def check(config: DistillConfig) -> None:
         _check_real_images(config)
     except ValueError as error:  # a ConfigError too: every refusal is one, naming the option
         raise ConfigError(str(error)) from None
+    video = [f"[data] {name}" for name in ("frames", "height", "width") if getattr(config.data, name)]
+    if video:
+        raise ConfigError(f"{', '.join(video)}: the sd3 family makes square pictures of [data] resolution; remove "
+                          f"{'them' if len(video) > 1 else 'it'} (frames, height and width are a video family's)")
     if config.eval.num_samples != 1000:
         raise ConfigError("[eval] num_samples is read by the digits family only; the sd3 family samples "
                           "[eval] prompts: remove it")
