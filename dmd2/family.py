@@ -66,6 +66,7 @@ FAMILIES = {
                            "dmd2.families.digits.commands:COMMANDS", judge="dmd2.families.digits.judge:DigitsJudge"),
     "sd3": Registration("dmd2.families.sd3.family:SD3Family", "dmd2.families.sd3.checks",
                         "dmd2.families.sd3.commands:COMMANDS"),
+    "wan": Registration("dmd2.families.wan.family:WanFamily", "dmd2.families.wan.checks"),
 }
 
 

@@ -156,7 +156,7 @@ def _yaml_str(value: Any) -> str:
     return json.dumps(str(value))  # a JSON string is a valid YAML scalar, quotes and all
 
 
-def _table(rows: dict[str, Any], header: tuple[str, str]) -> str:
+def markdown_table(rows: dict[str, Any], header: tuple[str, str]) -> str:
     lines = [f"| {header[0]} | {header[1]} |", "|---|---|"]
     lines += [f"| {key} | {value:.4g} |" if isinstance(value, float) else f"| {key} | {value} |"
               for key, value in rows.items()]
@@ -194,12 +194,12 @@ def model_card(teacher_dir: Path, num_steps: int, shift: float, scheduler_config
         f"the scheduler (`stochastic_sampling`, `shift` {scheduler_config['shift']:.6g}, `shift_terminal` "
         f"{scheduler_config['shift_terminal']}) is set to give exactly that grid at {num_steps} steps.", "",
         "## Recipe", "",
-        _table(recipe, ("option", "value")) if isinstance(recipe, dict) else str(recipe), "",
+        markdown_table(recipe, ("option", "value")) if isinstance(recipe, dict) else str(recipe), "",
     ]
     if lora is not None:
         body += _lora_usage(lora, num_steps)
     if card.get("metrics"):
-        body += ["## Evaluation", "", _table(card["metrics"], ("metric", "value")), ""]
+        body += ["## Evaluation", "", markdown_table(card["metrics"], ("metric", "value")), ""]
     return "\n".join(front + body)
 
 

@@ -1,0 +1,43 @@
+"""The Wan teacher read from its configs: claimed, its flow shift, its latent shape, and what is refused."""
+
+import pytest
+
+from dmd2.config import ConfigError, config_from_dict
+from dmd2.family import family_name
+from dmd2.families.wan import checks
+from dmd2.families.wan.pipeline import experts, flow_shift_of, latent_shape
+from tests.dmd2.families.wan.tiny_pipeline import BOUNDARY_RATIO, FLOW_SHIFT, LATENT_CHANNELS
+
+
+def test_a_wan_pipeline_is_claimed_and_read_from_its_configs(wan_dir, wan22_dir):
+    assert family_name(config_from_dict({"model": {"teacher": str(wan_dir)}}).model) == "wan"
+    assert flow_shift_of(wan_dir) == FLOW_SHIFT  # UniPC's flow_shift
+    assert experts(wan_dir) == (["transformer"], None)
+    assert experts(wan22_dir) == (["transformer", "transformer_2"], BOUNDARY_RATIO)
+    # [C, (F - 1) / 4 + 1, H / 8, W / 8], non-square
+    assert latent_shape(wan_dir, 81, 480, 832) == (LATENT_CHANNELS, 21, 60, 104)
+    assert latent_shape(wan_dir, 5, 16, 32) == (LATENT_CHANNELS, 2, 2, 4)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"frames": 4}, r"\[data\] frames 4 is not 4 k \+ 1.*use 1 or 5"),
+    ({"frames": 5, "height": 24, "width": 16}, r"\[data\] height 24 is not a multiple of 16.*use 16 or 32"),
+])
+def test_video_sizes_the_vae_cannot_take_are_refused_naming_the_option(wan_dir, tmp_path, data, message):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+    config = config_from_dict({"model": {"teacher": str(wan_dir)}, "data": {"prompts": str(prompts), **data}})
+    with pytest.raises(ConfigError, match=message):
+        checks.check(config)
+
+
+def test_a_scheduler_that_is_not_flow_prediction_is_refused(wan_dir, tmp_path):
+    import json
+    import shutil
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(wan_dir, teacher)
+    path = teacher / "scheduler" / "scheduler_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"prediction_type": "epsilon"}))
+    with pytest.raises(ValueError, match="flow prediction"):
+        flow_shift_of(teacher)
