@@ -20,6 +20,7 @@ from dmd2.families.sd3.conditioning import NEGATIVE
 from dmd2.families.sd3.prompts import file_sha256, prompts_digest
 from dmd2.families.wan.pipeline import check_wan_pipeline
 from dmd2.model import Cond
+from dmd2.tensors import is_fake, on_host
 
 TEXT_COMPONENTS = ("text_encoder", "tokenizer")
 
@@ -93,10 +94,13 @@ class WanPromptTable:
 
     def cond(self, prompt_index: Tensor) -> Cond:
         """The transformer's conditioning of prompts [B] (int64 in [0, P), or NEGATIVE for the negative prompt)."""
-        index = prompt_index.long().to(self.prompt_embeds.device)
-        if bool(((index < NEGATIVE) | (index >= len(self))).any()):
-            raise IndexError(f"a prompt index of {index.tolist()} is outside the table of {len(self)} prompts "
-                             f"(valid: 0..{len(self) - 1}, or {NEGATIVE} for the negative prompt)")
+        index = prompt_index.long()
+        if index.device.type == "cpu" and not is_fake(index):  # as SD3's table: checked where it costs no GPU sync
+            with on_host():
+                if bool(((index < NEGATIVE) | (index >= len(self))).any()):
+                    raise IndexError(f"a prompt index of {index.tolist()} is outside the table of {len(self)} "
+                                     f"prompts (valid: 0..{len(self) - 1}, or {NEGATIVE} for the negative prompt)")
+        index = index.to(self.prompt_embeds.device)
         negative = (index == NEGATIVE)[:, None, None]
         embeds = torch.where(negative, self.negative_prompt_embeds, self.prompt_embeds[index.clamp(min=0)])
         return {"encoder_hidden_states": embeds}
