@@ -137,7 +137,8 @@ class Command:
 @dataclass(frozen=True)
 class RunSpec:
     """What every trainer group of a run shares: the recipe, its family, the sample shape ([C, H, W] for pictures,
-    [C, F, H, W] for videos: the algorithm reads any rank), the conditioning source, and the cache directory the family may use on the ranks."""
+    [C, F, H, W] for videos: the algorithm reads any rank), the conditioning source, and the cache directory the
+    family may use on the ranks."""
 
     config: DistillConfig
     family: ModelFamily

@@ -14,11 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dmd2.model import Cond, VelocityFn
+from dmd2.model import Cond
+from dmd2.prompt_index import INDEX_KEY, NEGATIVE, TableVelocity, negative_indices, prompt_indices  # noqa: F401
 from dmd2.tensors import is_fake, on_host
-
-NEGATIVE = -1  # the prompt index of the negative prompt
-INDEX_KEY = "prompt_index"
 
 
 @dataclass(frozen=True)
@@ -83,28 +81,3 @@ class PromptTable:
                 "pooled_projections": self.negative_pooled_prompt_embeds.expand(n, -1)}
 
 
-def prompt_indices(prompt_index: Tensor) -> Cond:
-    """The index conditioning of prompts [B] (what records and rollouts carry)."""
-    return {INDEX_KEY: prompt_index.long()}
-
-
-def negative_indices(n: int) -> Cond:
-    """The index conditioning of n samples of the negative prompt: CFG's `neg_cond`."""
-    return {INDEX_KEY: torch.full((n,), NEGATIVE, dtype=torch.long)}
-
-
-class TableVelocity:
-    """A VelocityFn over index conditionings: v(x_s, sigma, {"prompt_index": [B]}) =
-    velocity_fn(x_s, sigma, table.cond(prompt_index)), the embeddings moved to x_s's device and dtype."""
-
-    def __init__(self, velocity_fn: VelocityFn, table: PromptTable):
-        self.velocity_fn = velocity_fn
-        self.table = table
-
-    def __call__(self, x_s: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        if set(cond) != {INDEX_KEY}:
-            raise ValueError(f"TableVelocity takes the conditioning {{{INDEX_KEY!r}: [B] int64}}, got keys "
-                             f"{sorted(cond)}; build it with prompt_indices / negative_indices")
-        expanded = self.table.cond(cond[INDEX_KEY])
-        expanded = {key: value.to(device=x_s.device, dtype=x_s.dtype) for key, value in expanded.items()}
-        return self.velocity_fn(x_s, sigma, expanded)

@@ -19,9 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from dmd2.config import ConfigError, DistillConfig
-from dmd2.draws import RolloutDraws
 from dmd2.family import ModelFamily, RunSpec
-from dmd2.families.sd3.conditioning import PromptTable, TableVelocity, negative_indices, prompt_indices
+from dmd2.families.sd3.conditioning import PromptTable, TableVelocity, prompt_indices
 from dmd2.families.sd3.image_folder import RealImage, read_image_folder
 from dmd2.families.sd3.pipeline import (check_sd3_pipeline, is_sd3_pipeline, latent_shape, load_transformer,
                                         read_json, shift_of, vae_scale_factor)
@@ -31,19 +30,10 @@ from dmd2.families.sd3.prompts import (DEFAULT_MAX_SEQUENCE_LENGTH, components_f
 from dmd2.families.sd3.published import CLIP_TOKENS, TRANSFORMERS, VAE_SCALE_FACTOR
 from dmd2.families.sd3.real_images import caption_rows, images_digest
 from dmd2.gan import GanTap, RealSamples
-from dmd2.model import Cond, DiffusersVelocity, VelocityFn
+from dmd2.model import DiffusersVelocity, VelocityFn
+from dmd2.prompt_index import PromptIndices, table_dtype  # noqa: F401 (re-exported)
 
 EVAL_PROMPTS_DEFAULT = 4  # the first prompts of [data] prompts make the grid when [eval] prompts is unset
-
-
-@dataclass(frozen=True)
-class PromptIndices:
-    """A CondSource: uniform prompt indices in [0, num_prompts); CFG's negative is the negative prompt."""
-
-    num_prompts: int
-
-    def __call__(self, draws: RolloutDraws, rows: Tensor) -> tuple[Cond, Cond]:
-        return prompt_indices(draws.integers("cond", self.num_prompts, rows)), negative_indices(len(rows))
 
 
 def _local(spec: str) -> str:
@@ -57,13 +47,6 @@ def _local(spec: str) -> str:
 
 def _refusal(error: Exception) -> ConfigError:
     return ConfigError(str(error))
-
-
-def table_dtype(config: DistillConfig) -> torch.dtype:
-    """The prepared prompt table's dtype: bf16 under `[train] mixed_precision = "bf16"`, half the bytes of fp32 on
-    every node, and the same model calls: every model takes the embeddings first into a layer that computes in bf16
-    (autocast, or the teacher's bf16 weights), which rounds fp32 ones to exactly these values."""
-    return torch.bfloat16 if config.train.mixed_precision == "bf16" else torch.float32
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ between evaluations and works on the evaluating device (`on_device`).
 """
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dmd2.eval_set import on_device
 from dmd2.family import family_judge
 
 BATCH = 32  # pictures per forward of a feature model: an eval set of hundreds never meets the device at once
@@ -32,17 +32,6 @@ def to_uint8(images: Tensor) -> list[np.ndarray]:
     """Pictures [N, 3, H, W] in [-1, 1] -> uint8 H x W x 3 arrays, rounded as StableDiffusion3Pipeline's output."""
     pixels = ((images.float().clamp(-1, 1) + 1) / 2 * 255).round().to(torch.uint8)
     return list(pixels.permute(0, 2, 3, 1).cpu().numpy())
-
-
-@contextmanager
-def on_device(model: nn.Module, device: torch.device) -> Iterator[nn.Module]:
-    """``model`` on the evaluating device for the block, in host memory between evaluations: the device is
-    training's then (`dmd2 plan` counts nothing of the evaluator in the rollout's stages)."""
-    model.to(device)
-    try:
-        yield model
-    finally:
-        model.to("cpu")
 
 
 def _embeddings(output) -> Tensor:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dmd2.conventions import TIMESTEP_SCALE
+from dmd2.pipeline_files import read_json
 
 if TYPE_CHECKING:  # the checks above `load_transformer` run before torch loads (dmd2/families/sd3/checks.py)
     import torch
@@ -28,19 +29,6 @@ TIMESTEPS = int(TIMESTEP_SCALE)  # diffusers feeds the model t = num_train_times
 # Configs that carry the key anyway must name that target; "v_prediction" is the *diffusion* v
 # (alpha eps - sigma x0), another parametrisation.
 VELOCITY_PREDICTIONS = ("flow_prediction", "flow", "velocity")
-
-
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """A JSON object from `path`; `what` names the file's role in the error messages."""
-    if not path.is_file():
-        raise ValueError(f"{what}: {path} does not exist; is {path.parent} a complete diffusers directory?")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{what}: {path} is not readable JSON ({error}); re-save or re-download it") from error
-    if not isinstance(data, dict):
-        raise ValueError(f"{what}: {path} holds a JSON {type(data).__name__}, not an object; re-save it")
-    return data
 
 
 def read_pipeline_index(path: str | Path) -> dict[str, Any]:

@@ -17,20 +17,11 @@ import torch
 from torch import Tensor
 
 from dmd2.families.sd3.pipeline import check_sd3_pipeline
+from dmd2.pipeline_files import CHUNK_BYTES, file_sha256, prompts_digest  # noqa: F401 (re-exported)
 from dmd2.families.sd3.prompt_file import read_prompts  # noqa: F401 (re-exported: the prompts as read)
 
-CHUNK_BYTES = 1 << 20  # weight files can be GBs: hash them streaming, 1 MiB at a time
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline's default T5 length
 TABLE_KEYS = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
-
-
-def file_sha256(path: Path) -> str:
-    digest, buffer = hashlib.sha256(), bytearray(CHUNK_BYTES)
-    view = memoryview(buffer)
-    with path.open("rb") as f:
-        while size := f.readinto(buffer):
-            digest.update(view[:size])
-    return digest.hexdigest()
 
 
 def _encoder_components(index: dict[str, Any]) -> list[str]:
@@ -57,14 +48,6 @@ def components_fingerprint(pipeline_dir: str | Path, names: list[str]) -> str:
             relative = file.relative_to(pipeline_dir).as_posix()
             digest.update(json.dumps([relative, file.stat().st_size, file_sha256(file)]).encode())
     return digest.hexdigest()
-
-
-def prompts_digest(prompts: list[str], negative_prompt: str, encoder_fingerprint: str,
-                   max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH) -> str:
-    """sha256 hex of everything an encoded prompt table depends on (the T5 length included)."""
-    payload = {"prompts": list(prompts), "negative_prompt": negative_prompt, "encoders": encoder_fingerprint,
-               "max_sequence_length": max_sequence_length}
-    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
 
 
 def _encode(pipeline: Any, prompts: list[str], max_sequence_length: int) -> tuple[Tensor, Tensor]:

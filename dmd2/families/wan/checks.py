@@ -6,7 +6,7 @@ cache holds it, its snapshot is checked like a directory.
 """
 
 from dmd2.config import ConfigError, DistillConfig
-from dmd2.families.sd3.prompt_file import read_prompts
+from dmd2.prompt_file import read_prompts
 from dmd2.families.wan.pipeline import experts, flow_shift_of, is_wan_pipeline, latent_shape, video_size
 from dmd2.model_specs import model_dir
 

@@ -1,7 +1,7 @@
 """The Wan family's evaluation: the student's videos of `[eval] prompts` beside the teacher's, their distance as a
 distribution, their diversity, and their motion.
 
-The SD3 evaluation's design (dmd2/families/sd3/evaluation.py: the eval set of prompts x noises, the teacher's
+The prompt-set evaluation (dmd2/eval_set.py: the eval set of prompts x noises, the teacher's
 reference made once per run and split over the ranks, KID to it, diversity and its ratio), on videos:
 
 - `eval/pixel_kid_teacher` (= `eval/distance_teacher`, the gate): KID between the student's videos and the teacher's
@@ -23,11 +23,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dmd2.eval_set import DECODE_BATCH, PromptSetEvaluator, image_grid, on_device
 from dmd2.family import Evaluation
-from dmd2.families.sd3.evaluation import DECODE_BATCH, SD3Evaluator, image_grid
 from dmd2.media import strip_frames
-from dmd2.metrics import pixel_features
+from dmd2.metrics import diversity, kid_to_reference, pixel_features
 
+DISTANCE = "eval/distance_teacher"  # the gate (WanFamily.gate_metric): the pixel KID, the one judge of videos here
 MOTION = "eval/motion"
 
 
@@ -49,8 +50,8 @@ def video_grid(videos: Tensor, columns: int) -> np.ndarray:
     return np.stack([image_grid(videos[:, :, f], columns) for f in range(videos.shape[2])])
 
 
-class WanEvaluator(SD3Evaluator):
-    """SD3's evaluator on videos: its samplers, eval set, rank shares and KID, with Wan's latents, VAE and motion."""
+class WanEvaluator(PromptSetEvaluator):
+    """The shared prompt-set evaluation on videos: Wan's latents, its VAE, the pixel KID, diversity and motion."""
 
     def latent_shape(self):
         from dmd2.families.wan.pipeline import latent_shape, video_size
@@ -67,13 +68,11 @@ class WanEvaluator(SD3Evaluator):
     def decode(self, latents: Tensor) -> Tensor:
         """Normalised latents [N, C, f, h, w] -> videos [N, 3, F, H, W] in [-1, 1], as WanPipeline decodes them:
         z = latents * latents_std + latents_mean per channel, then the VAE."""
-        from dmd2.families.sd3.judges import on_device
-
         if self._vae is None:
             from diffusers import AutoencoderKLWan
 
             self._vae = AutoencoderKLWan.from_pretrained(self.config.model.teacher, subfolder="vae",
-                                                         low_cpu_mem_usage=False, use_safetensors=True).eval()
+                                                         use_safetensors=True).eval()
         with on_device(self._vae, self.device) as vae:
             shape = (1, vae.config.z_dim, 1, 1, 1)
             mean = torch.tensor(vae.config.latents_mean).view(shape).to(self.device)
@@ -85,10 +84,15 @@ class WanEvaluator(SD3Evaluator):
         return {"pixels": video_features(videos), "motion": torch.tensor(motion(videos))}
 
     def _scores(self, latents: Tensor) -> tuple[dict[str, float], Tensor]:
-        scores, videos = super()._scores(latents)
-        teacher = self._reference_spaces()["motion"].item()
-        scores[MOTION] = motion(videos)
-        scores["eval/motion_ratio"] = scores[MOTION] / teacher if teacher > 0 else math.nan
+        videos = self.decode(latents)
+        spaces, reference, prompt_of = self._spaces(videos), self._reference_spaces(), self.prompt_of()
+        kid = kid_to_reference(spaces["pixels"], reference["pixels"], (prompt_of, prompt_of))
+        spread, teacher_spread = diversity(spaces["pixels"], prompt_of), diversity(reference["pixels"], prompt_of)
+        teacher_motion = reference["motion"].item()
+        scores = {"eval/pixel_kid_teacher": kid, DISTANCE: kid, "eval/diversity": spread,
+                  "eval/diversity_ratio": spread / teacher_spread if teacher_spread > 0 else math.nan,
+                  MOTION: motion(videos),
+                  "eval/motion_ratio": motion(videos) / teacher_motion if teacher_motion > 0 else math.nan}
         return scores, videos
 
     @torch.no_grad()

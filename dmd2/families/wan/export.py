@@ -7,8 +7,8 @@ FlowMatchEulerDiscreteScheduler solved so that the stock pipeline,
     WanPipeline.from_pretrained(out_dir)(prompt, num_inference_steps=N, guidance_scale=1.0),
 
 samples exactly as the project's student sampler (predict x0 at each sigma of `student_sigmas(N, shift)`, re-noise
-it to the next with fresh noise; the last x0 is the sample): the SD3 export's scheduler (its docstring derives the
-solve), which WanPipeline steps the same way.
+it to the next with fresh noise; the last x0 is the sample): dmd2/flow_scheduler.py's (its docstring derives the
+solve), which WanPipeline steps as StableDiffusion3Pipeline does.
 """
 
 import json
@@ -19,11 +19,11 @@ from typing import Any
 
 from torch import nn
 
-from dmd2.families.sd3.export import (CHECKPOINT_SUFFIXES, check_student_grid, markdown_table,
-                                      student_scheduler_config)
 from dmd2.families.wan.experts import WanExperts
 from dmd2.families.wan.pipeline import check_wan_pipeline
+from dmd2.flow_scheduler import check_student_grid, student_scheduler_config
 from dmd2.lora import adapter_config, adapter_state, has_adapters, merged_copy
+from dmd2.pipeline_files import CHECKPOINT_SUFFIXES
 from dmd2.schedule import student_sigmas
 
 SCHEDULER_CLASS = "FlowMatchEulerDiscreteScheduler"
@@ -91,6 +91,12 @@ def export_pipeline(teacher_dir: str | Path, transformer: nn.Module, num_steps: 
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def markdown_table(rows: dict[str, Any], header: tuple[str, str]) -> str:
+    lines = [f"| {header[0]} | {header[1]} |", "|---|---|"]
+    return "\n".join(lines + [f"| {key} | {value:.4g} |" if isinstance(value, float) else f"| {key} | {value} |"
+                              for key, value in rows.items()])
 
 
 def model_card(teacher_dir: Path, num_steps: int, shift: float, card: dict[str, Any]) -> str:

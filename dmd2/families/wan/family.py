@@ -20,13 +20,12 @@ from torch import Tensor, nn
 
 from dmd2.config import ConfigError, DistillConfig
 from dmd2.family import ModelFamily, RunSpec
-from dmd2.families.sd3.conditioning import TableVelocity
-from dmd2.families.sd3.family import PromptIndices, table_dtype
-from dmd2.families.sd3.pipeline import read_json
-from dmd2.families.sd3.prompt_file import read_prompts
+from dmd2.prompt_file import read_prompts
 from dmd2.families.wan.pipeline import flow_shift_of, is_wan_pipeline, latent_shape, video_size
 from dmd2.families.wan.prompts import WanPromptTable, table_key
 from dmd2.model import DiffusersVelocity, VelocityFn
+from dmd2.pipeline_files import read_json
+from dmd2.prompt_index import PromptIndices, TableVelocity, table_dtype
 
 EVAL_PROMPTS_DEFAULT = 4  # the first prompts of [data] prompts make the eval set when [eval] prompts is unset
 
@@ -103,7 +102,8 @@ class WanFamily(ModelFamily):
         return {"prompts": {name: embeds.to(table_dtype(config)) for name, embeds in table.items()}}
 
     def bind(self, prepared: dict[str, dict[str, Tensor]], device: torch.device | str = "cpu") -> "WanFamily":
-        """The prompt table in host memory whatever the device: a model call moves its batch's rows (`TableVelocity`)."""
+        """The prompt table in host memory whatever the device: a model call moves its batch's rows there
+        (`TableVelocity`)."""
         return dataclasses.replace(self, table=WanPromptTable.from_tensors(prepared["prompts"]).to("cpu"))
 
     def load_model(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:

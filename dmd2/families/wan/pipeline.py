@@ -16,9 +16,11 @@ A DMD2 export of a Wan student carries a FlowMatchEulerDiscreteScheduler solved 
 from pathlib import Path
 from typing import Any
 
-from dmd2.families.sd3.pipeline import TIMESTEPS, read_json
+from dmd2.conventions import TIMESTEP_SCALE
+from dmd2.pipeline_files import read_json
 
 PIPELINE_CLASS = "WanPipeline"
+TIMESTEPS = int(TIMESTEP_SCALE)  # diffusers feeds the model t = num_train_timesteps * sigma
 UNIPC = "UniPCMultistepScheduler"
 EXPERTS = ("transformer", "transformer_2")  # Wan 2.2 A14B: high-noise expert, then low-noise expert
 DEFAULT_FRAMES, DEFAULT_HEIGHT, DEFAULT_WIDTH = 81, 480, 832  # WanPipeline's defaults (480p)
@@ -66,8 +68,8 @@ def experts(path: str | Path) -> tuple[list[str], float | None]:
 
 
 def flow_shift_of(path: str | Path) -> float:
-    """The model's time shift: UniPC's `flow_shift` in flow-prediction mode (Wan 2.1 / 2.2 ship it), or a
-    FlowMatchEulerDiscreteScheduler's fixed `shift`. sigma' = shift s / (1 + (shift - 1) s) either way."""
+    """The model's time shift: UniPC's `flow_shift` in flow-prediction mode (Wan 2.1 / 2.2 ship it), the SD3 shift
+    sigma' = shift s / (1 + (shift - 1) s)."""
     config_path = Path(path) / "scheduler" / "scheduler_config.json"
     config = read_json(config_path, f"[model] teacher {path}")
     found = config.get("_class_name")
@@ -80,12 +82,9 @@ def flow_shift_of(path: str | Path) -> float:
                              "(use_flow_sigmas true, prediction_type \"flow_prediction\", as Wan ships it); DMD2 here "
                              "needs a flow-matching velocity model")
         return float(config.get("flow_shift", 1.0))
-    if found == "FlowMatchEulerDiscreteScheduler":
-        from dmd2.families.sd3.pipeline import shift_of  # the same checks as an SD3 teacher's scheduler
-
-        return shift_of(path)
     raise ValueError(f"[model] teacher {path}: its scheduler ({config_path}) is {found!r}; the wan family needs "
-                     f"{UNIPC} in flow-prediction mode (Wan's own) or FlowMatchEulerDiscreteScheduler")
+                     f"{UNIPC} in flow-prediction mode, as Wan ships it (a DMD2 export's scheduler is solved for its "
+                     "student's grid and does not hold the model's shift: distil from the original teacher)")
 
 
 def vae_factors(path: str | Path) -> tuple[int, int, int]:

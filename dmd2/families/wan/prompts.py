@@ -1,9 +1,9 @@
 """Prompts for a Wan teacher, encoded once by the pipeline's own `encode_prompt` (UMT5; no pooled embedding), and
 the table that turns the prompt indices records carry into the transformer's `encoder_hidden_states`.
 
-As SD3's (dmd2/families/sd3/prompts.py, conditioning.py): P prompts and the negative prompt are encoded on a Ray
-worker once per prompt set, stored under a digest of everything an embedding depends on, and rollouts move prompt
-indices; index -1 (`NEGATIVE`) is the negative prompt, CFG's negative branch. `TableVelocity` (SD3's) expands them.
+As SD3's: P prompts and the negative prompt are encoded on a Ray worker once per prompt set, stored under a digest
+of everything an embedding depends on, and rollouts move prompt indices; index -1 (`NEGATIVE`) is the negative
+prompt, CFG's negative branch. `dmd2.prompt_index.TableVelocity` expands them.
 """
 
 import hashlib
@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmd2.families.sd3.conditioning import NEGATIVE
-from dmd2.families.sd3.prompts import file_sha256, prompts_digest
 from dmd2.families.wan.pipeline import check_wan_pipeline
 from dmd2.model import Cond
+from dmd2.pipeline_files import file_sha256, prompts_digest
+from dmd2.prompt_index import NEGATIVE
 from dmd2.tensors import is_fake, on_host
 
 TEXT_COMPONENTS = ("text_encoder", "tokenizer")
