@@ -85,7 +85,8 @@ def export_pipeline(teacher_dir: str | Path, transformer: nn.Module, num_steps: 
         scheduler.save_pretrained(staging / "scheduler")
         index = {**index, **entries, "scheduler": ["diffusers", SCHEDULER_CLASS]}
         (staging / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        (staging / "README.md").write_text(model_card(teacher_dir, num_steps, shift, card))
+        adapters = sorted(path.name for path in (staging / LORA_DIR).iterdir()) if (staging / LORA_DIR).is_dir() else []
+        (staging / "README.md").write_text(model_card(teacher_dir, num_steps, shift, card) + _lora_usage(adapters))
         os.replace(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -125,3 +126,18 @@ def model_card(teacher_dir: Path, num_steps: int, shift: float, card: dict[str, 
     if card.get("metrics"):
         lines += ["## Evaluation", "", markdown_table(card["metrics"], ("metric", "value")), ""]
     return "\n".join(lines)
+
+
+def _lora_usage(adapters: list[str]) -> str:
+    """The card's section on the LoRA adapters alone (`lora/<transformer>`), when the student was LoRA."""
+    if not adapters:
+        return ""
+    loads = [f'pipe.load_lora_weights("<this directory>/{LORA_DIR}/{name}"'
+             + (", load_into_transformer_2=True)" if name == "transformer_2" else ")") for name in adapters]
+    text = (f"The transformer was trained as LoRA adapters; `{'/`, `'.join(adapters)}/` hold them merged. The "
+            f"adapters alone are in `{LORA_DIR}/`, for the teacher pipeline, with this directory's scheduler:")
+    return "\n".join(["## LoRA adapters", "", text, "", "```python",
+                      "from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline", "",
+                      'pipe = WanPipeline.from_pretrained("<the teacher>")', *loads,
+                      'pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained("<this directory>", '
+                      'subfolder="scheduler")', "```", ""])
