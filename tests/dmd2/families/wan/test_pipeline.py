@@ -41,3 +41,26 @@ def test_a_scheduler_that_is_not_flow_prediction_is_refused(wan_dir, tmp_path):
     path.write_text(json.dumps(json.loads(path.read_text()) | {"prediction_type": "epsilon"}))
     with pytest.raises(ValueError, match="flow prediction"):
         flow_shift_of(teacher)
+
+
+def test_options_the_wan_family_does_not_read_are_refused(wan_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+    config = config_from_dict({"model": {"teacher": str(wan_dir)}, "eval": {"clip_model": "openai/clip"},
+                               "data": {"prompts": str(prompts), "frames": 5, "resolution": 16}})
+    with pytest.raises(ConfigError, match=r"\[eval\] clip_model: not read by the wan family"):
+        checks.check(config)
+
+
+def test_the_picture_families_refuse_video_options(tmp_path):
+    from dmd2.families.digits import checks as digits_checks
+    from dmd2.families.sd3 import checks as sd3_checks
+
+    with pytest.raises(ConfigError, match=r"\[data\] frames: read only by text-to-image families"):
+        digits_checks.check(config_from_dict({"model": {"teacher": "builtin:digits"}, "data": {"frames": 5}}))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+    config = config_from_dict({"model": {"family": "sd3", "teacher": "owner/some-sd3"},
+                               "data": {"prompts": str(prompts), "height": 16, "width": 32}})
+    with pytest.raises(ConfigError, match=r"\[data\] height, \[data\] width: the sd3 family makes square pictures"):
+        sd3_checks.check(config)
