@@ -71,9 +71,18 @@ class WanFamily(ModelFamily):
         shape = latent_shape(config.model.teacher, *video_size(config.data))
         return RunSpec(config, self, shape, PromptIndices(len(read_prompts(config.data.prompts))), str(cache_dir))
 
+    # -- dmd2 plan: the published Wan 2.1 transformers by hub id (nothing downloaded), a directory by its configs --
+
     def model_on_meta(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:
         from dmd2.families.wan.experts import wan_on_meta
+        from dmd2.families.wan.published import TRANSFORMERS
 
+        if path in TRANSFORMERS:
+            from diffusers import WanTransformer3DModel
+
+            from dmd2.model import on_meta
+
+            return on_meta(WanTransformer3DModel, TRANSFORMERS[path], dtype)
         return wan_on_meta(path, dtype)
 
     def plan_spec(self, config: DistillConfig) -> RunSpec:
@@ -82,7 +91,11 @@ class WanFamily(ModelFamily):
 
     def plan_bind(self, config: DistillConfig, device: torch.device | str) -> "WanFamily":
         """A table of one zero prompt of UMT5's shape ([data] max_sequence_length tokens of the text width)."""
-        transformer = read_json(Path(config.model.teacher) / "transformer" / "config.json", "[model] teacher")
+        from dmd2.families.wan.published import TRANSFORMERS
+
+        teacher = config.model.teacher
+        transformer = TRANSFORMERS.get(teacher) or read_json(Path(teacher) / "transformer" / "config.json",
+                                                             "[model] teacher")
         zeros = torch.zeros(1, config.data.max_sequence_length, transformer["text_dim"], device="cpu")
         return dataclasses.replace(self, table=WanPromptTable(zeros, zeros.clone()))
 

@@ -103,10 +103,16 @@ def video_size(data: Any) -> tuple[int, int, int]:
 
 def latent_shape(path: str | Path, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
     """The latent shape [C, (F - 1) / t + 1, H / s, W / s] of an F-frame H x W video of this pipeline (t, s: its
-    VAE's temporal and spatial factors). F must be t k + 1 and H, W multiples of s times the patch size."""
-    path = Path(path)
-    channels, temporal, spatial = vae_factors(path)
-    transformer = read_json(path / "transformer" / "config.json", f"[model] teacher {path}")
+    VAE's temporal and spatial factors). F must be t k + 1 and H, W multiples of s times the patch size. A published
+    teacher's hub id (dmd2/families/wan/published.py) is read from the configs kept here."""
+    from dmd2.families.wan.published import TRANSFORMERS, VAE
+
+    if str(path) in TRANSFORMERS:
+        (channels, temporal, spatial), transformer = VAE, TRANSFORMERS[str(path)]
+    else:
+        path = Path(path)
+        channels, temporal, spatial = vae_factors(path)
+        transformer = read_json(path / "transformer" / "config.json", f"[model] teacher {path}")
     if transformer["in_channels"] != channels:
         raise ValueError(f"[model] teacher {path}: transformer/config.json has in_channels "
                          f"{transformer['in_channels']} but the VAE's z_dim is {channels}; the transformer and the VAE "

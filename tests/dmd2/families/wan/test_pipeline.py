@@ -64,3 +64,13 @@ def test_the_picture_families_refuse_video_options(tmp_path):
                                "data": {"prompts": str(prompts), "height": 16, "width": 32}})
     with pytest.raises(ConfigError, match=r"\[data\] height, \[data\] width: the sd3 family makes square pictures"):
         sd3_checks.check(config)
+
+
+def test_the_published_teachers_are_planned_at_their_size_from_configs_kept_here():
+    from dmd2.families.wan.family import WanFamily
+
+    billions = {hub_id: sum(p.numel() for p in WanFamily().model_on_meta(hub_id).parameters()) / 1e9
+                for hub_id in ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers")}
+    assert 1.3 <= billions["Wan-AI/Wan2.1-T2V-1.3B-Diffusers"] < 1.5, billions  # the model names say 1.3B, 14B
+    assert 14.0 <= billions["Wan-AI/Wan2.1-T2V-14B-Diffusers"] < 14.5, billions
+    assert latent_shape("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", 81, 480, 832) == (16, 21, 60, 104)
