@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dmd2.guard_config import GuardConfig
 from dmd2.config_rules import (CRITIC_SCORING_MODES, LOSS_SPACES, LOSS_TYPES, PARALLELISMS,  # noqa: F401
                                PLACEMENT_STRATEGIES, PRECISIONS, SIGMA_SAMPLINGS, ConfigError, validate)
 
@@ -242,6 +243,7 @@ class DistillConfig:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self):
         validate(self)
@@ -269,7 +271,7 @@ class DistillConfig:
 
 SECTION_TYPES = {"model": ModelConfig, "student": StudentConfig, "optim": OptimConfig,
                  "dmd2": DMD2Config, "train": TrainConfig, "cluster": ClusterConfig, "data": DataConfig,
-                 "eval": EvalConfig, "registry": RegistryConfig}
+                 "eval": EvalConfig, "registry": RegistryConfig, "guard": GuardConfig}
 
 
 def _type_error(annotation: Any, value: Any) -> str | None:

@@ -14,6 +14,7 @@ from torch import Tensor
 from dmd2.actor import actor_loss
 from dmd2.convert import TrainPairs
 from dmd2.critic import ScoringInputs, critic_loss
+from dmd2.guard import sample_signals
 from dmd2.gan import TappedCritic, WithRealRows, discriminator_loss, generator_gradient, noised_real
 from dmd2.model import VelocityFn
 from dmd2.scoring import Scores, score_with_teacher, separate_critic_draw
@@ -92,7 +93,7 @@ def actor_loss_hook(
 ) -> tuple[Tensor, dict[str, Tensor], None]:
     """The DMD loss against the paired critic rank's scores (`ctx.external_data["critic"]`)."""
     loss, diagnostics = actor_loss(student, batch, ctx.external_data["critic"], ctx.dmd2.gan_weight)
-    return loss, diagnostics, None
+    return loss, diagnostics | sample_signals(batch.x0), None  # the rollout's samples, for the collapse guard
 
 
 CRITIC_HOOKS = Hooks(loss=critic_loss_hook, prepare=critic_step_pairs, train_output=last_kept)
