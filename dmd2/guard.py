@@ -8,7 +8,7 @@ the student's DMD gradient norm. Rules (each named, each threshold an `[guard]` 
 rollouts have set the baseline, each tripping only after its condition held `patience` consecutive rollouts:
 
     diversity_drop   diversity < diversity_fraction x its early value (median of the warmup rollouts)
-    signal_outlier   |signal - median| > robust_k x max(1.4826 MAD, relative_floor |median|) over the window
+    signal_outlier   |signal - median| > robust_k x max(1.4826 MAD, relative_floor x abs(median)) over the window
     grad_spike       student gradient norm > grad_ratio x the window's median
     clipped_steps    more than max_clipped_fraction of the window's student steps clipped
 

@@ -28,7 +28,7 @@ class GuardConfig:
                                             "fraction of its early value (median over the warmup).")
     robust_k: float = option(12.0, "`signal_outlier`: a signal (sample mean, sample spread, critic loss) beyond this "
                                    "many robust deviations (1.4826 x MAD) of its running window's median.")
-    relative_floor: float = option(0.05, "The smallest robust deviation, as a fraction of the window's |median|: "
+    relative_floor: float = option(0.05, "The smallest robust deviation, as a fraction of the window's absolute median: "
                                          "a signal that barely moved in its window is not an outlier for a tiny move.")
     grad_ratio: float = option(20.0, "`grad_spike`: the student's gradient norm above this many times its running "
                                      "median.")
