@@ -182,7 +182,8 @@ class ClusterConfig:
 class DataConfig:
     """Where a text-to-image family's prompts and real images come from (digits draws class labels instead)."""
 
-    prompts: str = option("", "Training prompts: a text file (one a line) or JSONL with a `prompt` field.")
+    prompts: str = option("", "Training prompts: a text file (one a line) or JSONL with a `prompt` field; "
+                                  "a relative path in a recipe is read beside the recipe.")
     negative_prompt: str = option("", "The negative prompt of the teacher's CFG (default: the empty prompt).")
     resolution: int = option(0, "Image side in pixels; 0: the pipeline's default (the transformer's sample "
                                 "size times the VAE's scale factor).")
@@ -196,7 +197,7 @@ class DataConfig:
     images: str = option("", "SD3: a folder of real images (png, jpg, jpeg, webp) for the GAN's discriminator, "
                              "required by `[dmd2] critic_gan_weight` > 0; a same-named `.txt` beside an image is "
                              "its caption (else the empty prompt). Center-cropped, resized to `resolution` and "
-                             "encoded once by the teacher's VAE.")
+                             "encoded once by the teacher's VAE. A relative path in a recipe is read beside the recipe.")
 
 
 @dataclass(frozen=True)
@@ -321,6 +322,19 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> DistillCon
     return DistillConfig(**sections)
 
 
+# The recipe's own paths to files it ships with: relative ones are read beside the recipe, so a recipe and its
+# prompt file work from any working directory (a `--set` path stays relative to the working directory, as a
+# shell's argument is).
+RECIPE_RELATIVE_PATHS = (("data", "prompts"), ("data", "images"))
+
+
+def _beside_the_recipe(data: dict[str, Any], recipe: Path) -> None:
+    for section, key in RECIPE_RELATIVE_PATHS:
+        value = data.get(section, {}).get(key) if isinstance(data.get(section), dict) else None
+        if isinstance(value, str) and value and "://" not in value and not Path(value).is_absolute():
+            data[section][key] = str(recipe.resolve().parent / value)
+
+
 def load_recipe(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None) -> DistillConfig:
     """Read a TOML recipe; `overrides` ({section: {option: value}}, see `parse_overrides`) win over the file."""
     path = Path(path)
@@ -333,6 +347,7 @@ def load_recipe(path: str | Path, overrides: dict[str, dict[str, Any]] | None = 
         raise ConfigError(f"{path} is not valid TOML: {error}; fix that line") from None
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"recipe {path} cannot be read as UTF-8 text ({error}); save it as UTF-8 TOML") from None
+    _beside_the_recipe(data, path)
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update(values)
     return config_from_dict(data, source=str(path) + (" with --set overrides" if overrides else ""))

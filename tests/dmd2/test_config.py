@@ -78,6 +78,21 @@ def test_toml_lists_become_tuples_and_overrides_win(tmp_path):
     assert config.dmd2.score_sigma_range == (0.1, 0.9) and config.train.rollouts == 7
 
 
+def test_a_recipes_relative_file_paths_are_read_beside_it_and_overrides_beside_the_working_directory(
+        tmp_path, monkeypatch):
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    recipe = folder / "r.toml"
+    recipe.write_text('[model]\nteacher = "org/hub-id"\n[data]\nprompts = "p.txt"\nimages = "s3://bucket/real"\n')
+    monkeypatch.chdir(tmp_path)
+    config = load_recipe("recipes/r.toml")
+    assert config.data.prompts == str(folder.resolve() / "p.txt")
+    assert config.data.images == "s3://bucket/real" and config.model.teacher == "org/hub-id"  # not files beside it
+    assert load_recipe(recipe, overrides={"data": {"prompts": "mine.txt"}}).data.prompts == "mine.txt"
+    recipe.write_text(f'[model]\nteacher = "t"\n[data]\nprompts = "{tmp_path / "abs.txt"}"\n')
+    assert load_recipe(recipe).data.prompts == str(tmp_path / "abs.txt")
+
+
 def test_every_option_is_documented():
     import dataclasses
     from dmd2.config import SECTION_TYPES
