@@ -126,8 +126,9 @@ class TrainConfig:
 
     loss_type: str = option("dmd2", "`dmd2`, or `flow_matching` (plain fine-tuning, no critic).")
     rollouts: int = option(100, "Rollouts (generator updates) to run.")
-    rollout_batch_size: int = option(320, "Samples per rollout over all ranks (K * B * world_size).")
-    world_size: int = option(1, "Data-parallel ranks per trainer group.")
+    rollout_batch_size: int = option(320, "Samples per rollout over all ranks (K * B * world_size / "
+                                                  "sequence_parallel).")
+    world_size: int = option(1, "Ranks per trainer group (data-parallel, times `sequence_parallel`).")
     seed: int = option(0, "Seed of every random draw; the same seed replays the same run.")
     save_interval: int = option(0, "Checkpoint every this many rollouts; 0: only at the end.")
     eval_interval: int = option(0, "Evaluate every this many rollouts; 0: only at the end.")
@@ -141,6 +142,12 @@ class TrainConfig:
                                   "gathers stay inside a node.")
     shard_group_size: int = option(8, "With `parallel = \"hsdp\"`: the ranks that shard one copy of each model, "
                                       "normally a node's GPUs; world_size must be a multiple of it.")
+    sequence_parallel: int = option(1, "N: each sample's tokens split over N ranks of a group (Ulysses: attention "
+                                       "exchanges the token split for a head split), for videos whose activations do "
+                                       "not fit one GPU; the N ranks hold the same samples, so a group trains on "
+                                       "world_size / N data-parallel shards. N divides world_size, the model's "
+                                       "attention heads and its tokens per sample; only families whose transformer "
+                                       "has a context-parallel plan (wan). 1: off.")
     activation_checkpointing: bool = option(False, "Recompute each block's activations in backward instead of "
                                                    "keeping them (diffusers' gradient checkpointing): less memory, "
                                                    "about a third more compute per step.")
@@ -159,6 +166,11 @@ class TrainConfig:
     max_failures: int = option(3, "Times a run recovers in place from a lost rank (its process died, or its "
                                    "collectives broke): new trainer groups load the last checkpoint and the run "
                                    "goes on. Past it the run fails with the cause; 0: never recover.")
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks that hold different samples: the sequence ranks of one group share theirs."""
+        return self.world_size // self.sequence_parallel
 
 
 @dataclass(frozen=True)
@@ -256,7 +268,7 @@ class DistillConfig:
     @property
     def critic_batch_size(self) -> int:
         """B: samples per critic step per rank (the actor trains on the last B of each rank's shard)."""
-        return self.train.rollout_batch_size // self.train.world_size // self.dmd2.critic_steps_per_rollout
+        return self.train.rollout_batch_size // self.train.data_ranks // self.dmd2.critic_steps_per_rollout
 
     def with_teacher_shift(self, shift: float) -> "DistillConfig":
         """Unset shifts (the student's grid, the critic's sigmas) become the teacher's `shift`."""

@@ -83,9 +83,10 @@ def validate(config: "DistillConfig") -> None:
            f"[train] keep_rollouts must be >= 0 (0: delete each rollout's artifacts once it is done), "
            f"got {train.keep_rollouts}")
     _check(train.max_failures >= 0, f"[train] max_failures must be >= 0 (0: never recover), got {train.max_failures}")
-    _check(train.rollout_batch_size % train.world_size == 0,
+    _validate_sequence_parallel(config)
+    _check(train.rollout_batch_size % train.data_ranks == 0,
            f"[train] rollout_batch_size ({train.rollout_batch_size}) must split evenly over "
-           f"world_size ({train.world_size}) ranks")
+           f"{_data_ranks(train)}")
     _validate_eval(config)
     if train.loss_type == "dmd2":
         _validate_dmd2(config)
@@ -95,6 +96,26 @@ def validate(config: "DistillConfig") -> None:
         _check(optim.critic_lr is None, "[optim] critic_lr is read only under DMD2 (there is no critic): remove it")
         _check(config.model.critic_load is None,
                "[model] critic_load is read only under DMD2 (there is no critic): remove it")
+
+
+def _data_ranks(train) -> str:
+    if train.sequence_parallel == 1:
+        return f"world_size ({train.world_size}) ranks"
+    return (f"the {train.data_ranks} data-parallel ranks (world_size {train.world_size} / sequence_parallel "
+            f"{train.sequence_parallel})")
+
+
+def _validate_sequence_parallel(config: "DistillConfig") -> None:
+    """`[train] sequence_parallel`'s rules that need no model (its heads and tokens: the family's checks)."""
+    train, dmd2 = config.train, config.dmd2
+    n = train.sequence_parallel
+    _check(n >= 1, f"[train] sequence_parallel must be >= 1 (1: off), got {n}")
+    _check(train.world_size % n == 0,
+           f"[train] sequence_parallel ({n}) must divide world_size ({train.world_size}): each sample's tokens are "
+           "split over that many ranks of a group; set world_size to a multiple of it")
+    _check(n == 1 or dmd2 is None or (dmd2.gan_weight == 0 and dmd2.critic_gan_weight == 0),
+           "[dmd2] gan_weight / critic_gan_weight do not work with [train] sequence_parallel > 1 yet (the GAN head "
+           "would read one rank's part of the critic's tokens): set them to 0 or sequence_parallel = 1")
 
 
 def _validate_eval(config: "DistillConfig") -> None:
@@ -141,10 +162,11 @@ def _validate_dmd2(config: "DistillConfig") -> None:
            f"got {dmd2.actor_steps_per_rollout}")
     _check(dmd2.critic_steps_per_rollout >= 1,
            f"[dmd2] critic_steps_per_rollout must be >= 1, got {dmd2.critic_steps_per_rollout}")
-    shard = train.rollout_batch_size // train.world_size
+    shard = train.rollout_batch_size // train.data_ranks
+    per_rank = "world_size" if train.sequence_parallel == 1 else "(world_size / sequence_parallel)"
     _check(shard % dmd2.critic_steps_per_rollout == 0 and shard > 0,
            f"[dmd2] critic_steps_per_rollout ({dmd2.critic_steps_per_rollout}) must divide each rank's shard "
-           f"of {shard} samples ([train] rollout_batch_size / world_size): change either")
+           f"of {shard} samples ([train] rollout_batch_size / {per_rank}): change either")
     _check(dmd2.critic_loss_space in LOSS_SPACES,
            f"[dmd2] critic_loss_space must be one of {LOSS_SPACES}, got {dmd2.critic_loss_space!r}")
     _check(dmd2.critic_scoring in CRITIC_SCORING_MODES,

@@ -59,6 +59,9 @@ class Registration:
     # "module:Class", a judge of RGB pictures the family offers other families' evaluators: `[eval] feature_model =
     # "builtin:<family>"` (`Class.load(cache_dir)`, then `features(images)` and `classify(images)`).
     judge: str | None = None
+    # Whether its transformer splits tokens over ranks (`[train] sequence_parallel`: diffusers' `_cp_plan`); the
+    # checks module then refuses a split its model's heads or tokens do not allow.
+    sequence_parallel: bool = False
 
 
 FAMILIES = {
@@ -66,7 +69,7 @@ FAMILIES = {
                            "dmd2.families.digits.commands:COMMANDS", judge="dmd2.families.digits.judge:DigitsJudge"),
     "sd3": Registration("dmd2.families.sd3.family:SD3Family", "dmd2.families.sd3.checks",
                         "dmd2.families.sd3.commands:COMMANDS"),
-    "wan": Registration("dmd2.families.wan.family:WanFamily", "dmd2.families.wan.checks"),
+    "wan": Registration("dmd2.families.wan.family:WanFamily", "dmd2.families.wan.checks", sequence_parallel=True),
 }
 
 
@@ -192,7 +195,7 @@ class ModelFamily:
     def check(self, config: DistillConfig) -> None:
         """Refuse, with a `ConfigError` naming the option and the fix, what this family cannot run: its checks
         module's `check`, the very code the CLI runs before anything heavy loads."""
-        family_checks(self.name).check(config)
+        check_family(self.name, config)
 
     def resolve(self, config: DistillConfig, cache_dir: Path) -> DistillConfig:
         """The config with every model spec loadable by `load_model` (a directory or a hub id)."""
@@ -303,6 +306,15 @@ def family_checks(name: str) -> ModuleType:
     return importlib.import_module(_registration(name).checks)
 
 
+def check_family(name: str, config: DistillConfig) -> None:
+    """Family ``name``'s checks of ``config`` (its checks module's `check`), and whether it splits tokens at all."""
+    if config.train.sequence_parallel > 1 and not _registration(name).sequence_parallel:
+        able = sorted(family for family, registration in FAMILIES.items() if registration.sequence_parallel)
+        raise ConfigError(f"[train] sequence_parallel = {config.train.sequence_parallel}: the {name} family's model "
+                          f"cannot split its tokens over ranks (families that can: {', '.join(able)}); set it to 1")
+    family_checks(name).check(config)
+
+
 def family_commands(name: str) -> list[Command]:
     commands = _registration(name).commands
     return list(pkgutil.resolve_name(commands)) if commands else []
@@ -334,7 +346,7 @@ def family_name(model: ModelConfig) -> str:
 def checked_family(config: DistillConfig) -> str:
     """The name of the family that runs `config`, once its checks passed (light: no family's models load)."""
     name = family_name(config.model)
-    family_checks(name).check(config)
+    check_family(name, config)
     return name
 
 

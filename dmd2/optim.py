@@ -53,6 +53,7 @@ def optimizer_step(
     loss: Tensor,
     grad_clip: float | None,
     gather: GatherFigures | None = None,
+    sequence_ranks: int = 1,
 ) -> dict[str, float]:
     """Backward, clip, step; returns {loss, grad_norm (before clipping), lr (the lr this step used)}.
 
@@ -64,9 +65,13 @@ def optimizer_step(
     stage's forward and its update waits for the host: the finite check runs on the device, as the step's
     `found_inf` (the flag torch's GradScaler gives fused optimizers), which skips the update in the kernel.
     Otherwise the figures are read and checked first, and the step follows only if they are finite.
+
+    ``sequence_ranks`` N > 1 (sequence parallelism, infra/trainers/sequence.py): this rank's gradients are its
+    tokens' part of its sequence group's, which the data-parallel mean over all ranks would divide by N too many;
+    backward differentiates N x the loss (exact in floating point for a power of 2), the figures keep the loss.
     """
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    (loss * sequence_ranks if sequence_ranks > 1 else loss).backward()
     max_norm = grad_clip if grad_clip else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     lr = optimizer.param_groups[0]["lr"]

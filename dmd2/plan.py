@@ -8,7 +8,8 @@ from dmd2.draws import RolloutDraws
 
 @dataclass(frozen=True)
 class RolloutPlan:
-    """One rollout's layout: B samples per critic step per rank, K critic steps, the student's grid."""
+    """One rollout's layout: B samples per critic step per rank, K critic steps, the student's grid. ``world_size``
+    counts the ranks that hold different samples (`[train] world_size / sequence_parallel`)."""
 
     seed: int
     rollout_id: int
@@ -30,7 +31,7 @@ def rollout_plan(config: DistillConfig, rollout_id: int, sample_shape: tuple[int
     return RolloutPlan(
         seed=config.train.seed,
         rollout_id=rollout_id,
-        world_size=config.train.world_size,
+        world_size=config.train.data_ranks,  # the sequence ranks of a group share their samples
         critic_steps=config.dmd2.critic_steps_per_rollout,
         batch=config.critic_batch_size,
         sample_shape=tuple(sample_shape),

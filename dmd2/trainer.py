@@ -51,6 +51,7 @@ class TrainState:
     grad_clip: float
     gather: GatherFigures | None = None  # a data-parallel group's: every rank's loss and grad norm
     ema: ParameterEMA | None = None  # the student's with `[student] ema_decay`: updated after every step
+    sequence_ranks: int = 1  # `[train] sequence_parallel`: the ranks whose gradients are parts of one sum
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ def train_state(model: nn.Module, lr: float, config: DistillConfig,
     optimizer, scheduler = make_optimizer(trained, lr, optim.betas, optim.weight_decay, optim.warmup_steps,
                                           decay_steps=round(optim.decay_fraction * total), total_steps=total)
     ema = ParameterEMA(model, ema_decay) if ema_decay > 0 else None
-    return TrainState(model.train(), velocity(model), optimizer, scheduler, optim.grad_clip, ema=ema)
+    return TrainState(model.train(), velocity(model), optimizer, scheduler, optim.grad_clip, ema=ema,
+                      sequence_ranks=config.train.sequence_parallel)
 
 
 def train_steps(
@@ -92,7 +94,8 @@ def train_steps(
     for step in range(num_steps):
         loss, step_metrics, keep = hooks.loss(ctx, state.velocity, hooks.prepare(ctx, pairs, step), step)
         try:
-            stepped = optimizer_step(state.model, state.optimizer, state.scheduler, loss, state.grad_clip, state.gather)
+            stepped = optimizer_step(state.model, state.optimizer, state.scheduler, loss, state.grad_clip, state.gather,
+                                     state.sequence_ranks)
         except NonFiniteError as error:
             raise NonFiniteError(f"optimizer step {step + 1} of {num_steps}: {error}") from None
         if state.ema is not None:

@@ -48,6 +48,7 @@ from infra.trainers.models import held_model, rank_velocity, role_model
 from infra.trainers.offload import module_tensors, optimizer_tensors, sleeping_tensors
 from infra.trainers.flops import FlopCount
 from infra.trainers.parallel import mesh_shape, replicated
+from infra.trainers.sequence import sequence_mesh, split_sequence
 
 STAGES = ("rollout", "convert", "critic-train", "score", "actor-train")
 ASLEEP = {"rollout": "critic", "convert": "critic", "critic-train": "actor", "score": "actor", "actor-train": "critic"}
@@ -160,13 +161,15 @@ def gpu_models(spec: RunSpec, load: Load, mesh=None, wrap: Wrap | None = None,
     (`_with_optimizer_state`)."""
     config, family = spec.config, spec.family
     states, hooks, teacher = {}, {}, None
+    sequence = sequence_mesh(config.train, device.type)  # `fake_world` made it, before the fake mode
     for trainer in compute_trainer_configs(config, "checkpoints"):
-        model = held_model(role_model(load(trainer.init, None), family, trainer, config), config, mesh)
+        model = held_model(role_model(load(trainer.init, None), family, trainer, config), config, mesh, sequence)
         state = train_state(model, trainer.lr, config, family.velocity, trainer.ema_decay, trainer.steps_per_rollout)
         states[trainer.role] = _with_optimizer_state(state)
         hooks[trainer.role] = resolve_hooks(trainer.hooks, trainer.role)
         if trainer.teacher is not None:
-            teacher = load(trainer.teacher, teacher_dtype(config)).eval().requires_grad_(False)
+            teacher = split_sequence(load(trainer.teacher, teacher_dtype(config)), sequence)
+            teacher = teacher.eval().requires_grad_(False)
     gpu = GpuModels(spec, states["actor"], states["critic"], teacher, hooks, wrap, device)
     for state in states.values():
         gpu._hold(state, wrap(state.model) if wrap is not None else state.model)
@@ -353,8 +356,10 @@ class _Stages:
 def fake_world(train: TrainConfig) -> Iterator[object]:
     """A fake process group of `[train] world_size` ranks (this process is rank 0; collectives move no data) and
     the device mesh the ranks shard over (`mesh_shape`), made before any fake mode (a mesh cannot be made inside
-    one); none where nothing needs it."""
-    if train.parallel not in SHARDED or dist.is_initialized():
+    one); none where nothing needs it. Under `[train] sequence_parallel` the sequence mesh is made here too, for
+    `gpu_models` to find (`sequence_mesh` keeps it per process group)."""
+    sharded = train.parallel in SHARDED
+    if not (sharded or train.sequence_parallel > 1) or dist.is_initialized():
         yield None
         return
     from torch.distributed.device_mesh import init_device_mesh
@@ -362,8 +367,9 @@ def fake_world(train: TrainConfig) -> Iterator[object]:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=train.world_size)
     try:
+        sequence_mesh(train, "cpu")
         shape = mesh_shape(train)
-        yield init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+        yield init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):]) if sharded else None
     finally:
         dist.destroy_process_group()
 

@@ -20,6 +20,7 @@ from dmd2.model import VelocityFn
 from dmd2.precision import in_run_precision
 from infra.trainers.configs import TrainerConfig
 from infra.trainers.parallel import compile_blocks, fsdp, shard_mesh
+from infra.trainers.sequence import sequence_mesh, split_sequence
 
 
 def role_model(model: nn.Module, family: ModelFamily, trainer: TrainerConfig, config: DistillConfig) -> nn.Module:
@@ -32,11 +33,14 @@ def role_model(model: nn.Module, family: ModelFamily, trainer: TrainerConfig, co
     return model
 
 
-def held_model(model: nn.Module, config: DistillConfig, mesh: DeviceMesh | None = None) -> nn.Module:
-    """The trained model on its device as `[train]` holds it: activations recomputed in backward (diffusers' own
-    gradient checkpointing), each block compiled (`compile`) and, with `parallel = "fsdp"` or `"hsdp"`, sharded over
+def held_model(model: nn.Module, config: DistillConfig, mesh: DeviceMesh | None = None,
+               sequence: DeviceMesh | None = None) -> nn.Module:
+    """The trained model on its device as `[train]` holds it: its tokens split over ``sequence``'s ranks (`[train]
+    sequence_parallel`, infra/trainers/sequence.py), activations recomputed in backward (diffusers' own gradient
+    checkpointing), each block compiled (`compile`) and, with `parallel = "fsdp"` or `"hsdp"`, sharded over
     ``mesh`` (default: the process group)."""
     train = config.train
+    split_sequence(model, sequence)
     if train.activation_checkpointing:
         model.enable_gradient_checkpointing()
     if train.compile:
@@ -52,7 +56,8 @@ def sharded_from_rank0(load: Callable[[], nn.Module], on_meta: Callable[[], nn.M
     (`set_model_state_dict` with `broadcast_from_rank0`, one tensor at a time through the device). Buffers,
     which FSDP2 leaves whole, are rank 0's, broadcast. Collective: every rank of the group calls it."""
     whole = load() if dist.get_rank() == 0 else None
-    model = held_model(on_meta(), config, shard_mesh(config.train, device.type)).to_empty(device=device)
+    model = held_model(on_meta(), config, shard_mesh(config.train, device.type),
+                       sequence_mesh(config.train, device.type)).to_empty(device=device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, whole.state_dict() if whole is not None else {}, options=options)
     buffers = dict(whole.named_buffers()) if whole is not None else {}

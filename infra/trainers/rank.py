@@ -38,6 +38,7 @@ from infra.trainers.hooks import resolve_hooks
 from infra.trainers.models import held_model, rank_velocity, role_model, sharded_from_rank0
 from infra.trainers.offload import HostCopy, module_tensors, own_storage, sleeping_tensors
 from infra.trainers.parallel import ddp, free_port, rank_device, replicated, use_device
+from infra.trainers.sequence import data_rank, sequence_mesh, split_sequence
 from infra.trainers.payloads import get_record, put_record
 from infra.trainers.prepare import load_prepared
 from infra.store import ArtifactRef, ArtifactStore
@@ -118,6 +119,8 @@ class RankWorker(StudentOutputs):
                                f"rank {dist.get_rank()} of {dist.get_world_size()}")
         # Checkpoint metadata travels between ranks as Python objects: on a CPU group, whatever the backend.
         self._objects = dist.new_group(backend="gloo") if backend == "nccl" else None
+        # `[train] sequence_parallel`: the ranks each sample's tokens are split over (None: off).
+        self.sequence = sequence_mesh(self.spec.config.train, self.device.type)
         # The family holding its prepared inputs (e.g. the prompt table): every model call goes through it.
         prepared = load_prepared(self.store, self.spec.prepared, self.spec.cache_dir)
         self.family = family = self.spec.family.bind(prepared, self.device)
@@ -130,7 +133,7 @@ class RankWorker(StudentOutputs):
                                               config, self.device)
         else:
             model = own_storage(role_model(family.load_model(init), family, trainer, config).to(self.device))
-            self._module = held_model(model, config)
+            self._module = held_model(model, config, sequence=self.sequence)
         # The optimizer is built over the sharded parameters under FSDP; DDP's wrapper comes with `wake`.
         self.state = train_state(self._module, self.trainer.lr, config, family.velocity,
                                  self.trainer.ema_decay, self.trainer.steps_per_rollout)
@@ -140,6 +143,7 @@ class RankWorker(StudentOutputs):
         self.teacher = None
         if self.trainer.teacher is not None:
             teacher = own_storage(family.load_model(self.trainer.teacher, teacher_dtype(config)).to(self.device))
+            split_sequence(teacher, self.sequence)
             self.teacher = teacher.eval().requires_grad_(False)
             if self.sleeps:
                 self._teacher_host.offload(module_tensors(self.teacher))  # on the device only while scoring
@@ -171,8 +175,8 @@ class RankWorker(StudentOutputs):
     def rollout(self, run_id: str, rollout_id: int) -> ArtifactRef:
         """This rank's backward-simulated samples -> ``rollout-<n>/rollout/rank-<r>``."""
         self.wake()
-        samples = rollout_shard(self._velocity(self.module), self.spec.conds, self.plan(rollout_id), self.rank,
-                                self.device, lockstep=self.sharded)
+        samples = rollout_shard(self._velocity(self.module), self.spec.conds, self.plan(rollout_id),
+                                data_rank(self.rank, self.spec.config.train), self.device, lockstep=self.sharded)
         return put_record(self.store, run_id, rollout_id, "rollout", self.rank, samples)
 
     def convert(self, run_id: str, rollout_id: int, samples: ArtifactRef) -> ArtifactRef:

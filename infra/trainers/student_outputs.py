@@ -24,6 +24,7 @@ from dmd2.tensors import non_finite
 from infra.store import ArtifactRef, StoreError
 from infra.trainers.collective import gathered, on_every_rank, on_rank0
 from infra.trainers.parallel import full_state_dict, unsharded_copy
+from infra.trainers.sequence import data_rank, sequence_rank
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,7 @@ class StudentOutputs:
                 self._share_references(evaluator)
                 velocity = HostCalls(self._velocity(self.module), self.device)
                 with _sampling(self.module):
-                    shares = gathered(lambda: evaluator.student_share(velocity, self.rank, self.world_size),
-                                      self._objects)
+                    shares = gathered(self._student_share(evaluator, velocity), self._objects)
                 return on_rank0(lambda: self._result(evaluator.score(torch.cat(shares)), run_id, step,
                                                      with_baselines), self._objects)
             with self._unsharded() as student:
@@ -78,6 +78,16 @@ class StudentOutputs:
                             HostCalls(self._velocity(student), self.device))
                     return self._result(evaluation, run_id, step, with_baselines)
                 return on_rank0(work, self._objects)
+
+    def _student_share(self, evaluator, velocity):
+        """This rank's share of a split evaluation's student samples. Under `[train] sequence_parallel` a sequence
+        group samples one share together (its model's forwards are its collectives); its first rank keeps it."""
+        train = self.spec.config.train
+
+        def share() -> Tensor:
+            samples = evaluator.student_share(velocity, data_rank(self.rank, train), train.data_ranks)
+            return samples if sequence_rank(self.rank, train) == 0 else samples[:0]
+        return share
 
     def _result(self, evaluation: Evaluation, run_id: str, step: int, with_baselines: bool) -> EvalResult:
         """Rank 0's part after sampling: the baselines, the references kept, the media stored."""

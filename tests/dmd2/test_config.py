@@ -14,6 +14,9 @@ def test_a_valid_config_passes_and_derives_b_and_critic_lr():
     assert config.critic_batch_size == 40 // 2 // 5
     assert config.critic_lr == 1e-4
     assert valid(optim=OptimConfig(lr=1e-4, critic_lr=3e-4)).critic_lr == 3e-4
+    # Sequence parallelism: the 2 ranks of a sequence group share their samples, so B is of 4 / 2 data ranks.
+    split = valid(train=TrainConfig(rollout_batch_size=40, world_size=4, sequence_parallel=2))
+    assert (split.train.data_ranks, split.critic_batch_size) == (2, 40 // 2 // 5)
 
 
 @pytest.mark.parametrize("sections, option", [
@@ -41,6 +44,13 @@ def test_a_valid_config_passes_and_derives_b_and_critic_lr():
     (dict(train=TrainConfig(rollout_batch_size=40, shard_group_size=0)), r"\[train\] shard_group_size must be >= 1"),
     (dict(train=TrainConfig(rollout_batch_size=40, world_size=4, parallel="hsdp", shard_group_size=3)),
      r"\[train\] world_size \(4\) must be a multiple of shard_group_size \(3\)"),
+    (dict(train=TrainConfig(rollout_batch_size=40, sequence_parallel=0)), r"\[train\] sequence_parallel must be >= 1"),
+    (dict(train=TrainConfig(rollout_batch_size=40, world_size=6, sequence_parallel=4)),
+     r"\[train\] sequence_parallel \(4\) must divide world_size \(6\)"),
+    (dict(train=TrainConfig(rollout_batch_size=30, world_size=8, sequence_parallel=2)),
+     r"rollout_batch_size \(30\) must split evenly over the 4 data-parallel ranks"),
+    (dict(train=TrainConfig(rollout_batch_size=40, world_size=2, sequence_parallel=2),
+          dmd2=DMD2Config(critic_gan_weight=1e-2)), r"critic_gan_weight do not work with \[train\] sequence_parallel"),
     (dict(eval=EvalConfig(samples_per_prompt=1)), r"\[eval\] samples_per_prompt must be >= 2"),
     (dict(eval=EvalConfig(feature_model="builtin:dino")), r"\[eval\] feature_model = 'builtin:dino' is no built-in"),
 ])

@@ -7,7 +7,9 @@ cache holds it, its snapshot is checked like a directory.
 
 from dmd2.config import ConfigError, DistillConfig
 from dmd2.prompt_file import read_prompts
-from dmd2.families.wan.pipeline import experts, flow_shift_of, is_wan_pipeline, latent_shape, video_size
+from dmd2.families.wan.pipeline import (check_sequence_split, experts, flow_shift_of, is_wan_pipeline, latent_shape,
+                                       video_size)
+from dmd2.families.wan.published import TRANSFORMERS
 from dmd2.model_specs import model_dir
 
 
@@ -39,10 +41,13 @@ def _check_teacher(config: DistillConfig) -> None:
     """A local (or cached) teacher must be a flow-prediction WanPipeline whose latents fit the video size."""
     teacher = model_dir("[model] teacher", config.model.teacher)
     if teacher is None:  # a hub id, fetched when the run resolves it: its files are checked then
+        if config.model.teacher in TRANSFORMERS:  # a published one's configs are here
+            check_sequence_split(config.model.teacher, *video_size(config.data), config.train.sequence_parallel)
         return
     experts(teacher)
     flow_shift_of(teacher)
     latent_shape(teacher, *video_size(config.data))
+    check_sequence_split(teacher, *video_size(config.data), config.train.sequence_parallel)
 
 
 def _refuse_unread(config: DistillConfig) -> None:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from dmd2.config import ConfigError, DistillConfig
 from dmd2.family import ModelFamily, RunSpec
 from dmd2.prompt_file import read_prompts
-from dmd2.families.wan.pipeline import flow_shift_of, is_wan_pipeline, latent_shape, video_size
+from dmd2.families.wan.pipeline import check_sequence_split, flow_shift_of, is_wan_pipeline, latent_shape, video_size
 from dmd2.families.wan.prompts import WanPromptTable, table_key
 from dmd2.model import DiffusersVelocity, VelocityFn
 from dmd2.pipeline_files import read_json
@@ -58,6 +58,7 @@ class WanFamily(ModelFamily):
         try:
             shift = flow_shift_of(teacher)
             latent_shape(teacher, *video_size(config.data))
+            check_sequence_split(teacher, *video_size(config.data), config.train.sequence_parallel)  # a hub snapshot
         except ValueError as error:
             raise ConfigError(str(error)) from None
         return config.with_teacher_shift(shift).replace(

@@ -129,3 +129,32 @@ def latent_shape(path: str | Path, frames: int, height: int, width: int) -> tupl
             raise ValueError(f"[data] {option} {size} is not a multiple of {multiple} (vae scale factor {spatial} x "
                              f"patch size {patch} of {path}); use {nearest}")
     return channels, (frames - 1) // temporal + 1, height // spatial, width // spatial
+
+
+def transformer_config(path: str | Path) -> dict[str, Any]:
+    """The first transformer's config.json (a published teacher's kept here, by hub id)."""
+    from dmd2.families.wan.published import TRANSFORMERS
+
+    if str(path) in TRANSFORMERS:
+        return TRANSFORMERS[str(path)]
+    return read_json(Path(path) / "transformer" / "config.json", f"[model] teacher {path}")
+
+
+def check_sequence_split(path: str | Path, frames: int, height: int, width: int, ranks: int) -> None:
+    """Refuse `[train] sequence_parallel = ranks` where Ulysses cannot split this teacher's videos: each rank takes
+    1 / ranks of a sample's tokens (latent frames x patches) and, inside attention, 1 / ranks of the heads."""
+    if ranks == 1:
+        return
+    transformer = transformer_config(path)
+    _, latent_frames, latent_h, latent_w = latent_shape(path, frames, height, width)
+    patch_t, patch_h, patch_w = transformer.get("patch_size", (1, 2, 2))
+    tokens = latent_frames // patch_t * (latent_h // patch_h) * (latent_w // patch_w)
+    heads = transformer.get("num_attention_heads", 40)
+    if heads % ranks:
+        raise ValueError(f"[train] sequence_parallel = {ranks} does not divide the {heads} attention heads of {path} "
+                         f"(Ulysses gives each rank heads / sequence_parallel of them); use a divisor of {heads}")
+    if tokens % ranks:
+        raise ValueError(f"[train] sequence_parallel = {ranks} does not divide the {tokens} tokens of a {frames} x "
+                         f"{height} x {width} video ({latent_frames} latent frames x {latent_h // patch_h} x "
+                         f"{latent_w // patch_w} patches); change [data] frames, height or width, or "
+                         "sequence_parallel")

@@ -3,7 +3,7 @@
 import pytest
 
 from dmd2.config import ConfigError, config_from_dict
-from dmd2.family import family_name
+from dmd2.family import checked_family, family_name
 from dmd2.families.wan import checks
 from dmd2.families.wan.pipeline import experts, flow_shift_of, latent_shape
 from tests.dmd2.families.wan.tiny_pipeline import BOUNDARY_RATIO, FLOW_SHIFT, LATENT_CHANNELS
@@ -50,6 +50,42 @@ def test_options_the_wan_family_does_not_read_are_refused(wan_dir, tmp_path):
                                "data": {"prompts": str(prompts), "frames": 5, "resolution": 16}})
     with pytest.raises(ConfigError, match=r"\[eval\] clip_model: not read by the wan family"):
         checks.check(config)
+
+
+@pytest.mark.parametrize("train, data, message", [
+    ({"world_size": 4, "sequence_parallel": 4}, {"height": 32, "width": 32},
+     r"sequence_parallel = 4 does not divide the 2 attention heads"),
+    ({"world_size": 2, "sequence_parallel": 2}, {"height": 16, "width": 48},
+     r"sequence_parallel = 2 does not divide the 9 tokens of a 9 x 16 x 48 video \(3 latent frames x 1 x 3 patches\)"),
+])
+def test_a_sequence_split_the_teacher_cannot_take_is_refused(wan_dir, tmp_path, train, data, message):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+    config = config_from_dict({"model": {"teacher": str(wan_dir)}, "train": {"rollout_batch_size": 10, **train},
+                               "data": {"prompts": str(prompts), "frames": 9, **data}})
+    with pytest.raises(ConfigError, match=message):
+        checked_family(config)
+    checked_family(config.replace("data", height=32, width=32).replace("train", world_size=2, sequence_parallel=2))
+
+
+def test_the_published_14b_teacher_splits_720p_over_8_ranks_and_the_13b_does_not(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+    recipe = {"model": {"family": "wan", "teacher": "Wan-AI/Wan2.1-T2V-14B-Diffusers"},
+              "train": {"world_size": 8, "sequence_parallel": 8, "rollout_batch_size": 5},
+              "data": {"prompts": str(prompts), "frames": 81, "height": 720, "width": 1280}}
+    checked_family(config_from_dict(recipe))  # 40 heads, 21 x 45 x 80 tokens
+    recipe["model"]["teacher"] = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    with pytest.raises(ConfigError, match="does not divide the 12 attention heads"):
+        checked_family(config_from_dict(recipe))
+
+
+def test_families_whose_model_cannot_split_tokens_refuse_sequence_parallel():
+    config = config_from_dict({"model": {"teacher": "builtin:digits"},
+                               "train": {"world_size": 2, "sequence_parallel": 2, "rollout_batch_size": 10}})
+    with pytest.raises(ConfigError, match=r"the digits family's model cannot split its tokens over ranks \(families "
+                                          r"that can: wan\); set it to 1"):
+        checked_family(config)
 
 
 def test_the_picture_families_refuse_video_options(tmp_path):

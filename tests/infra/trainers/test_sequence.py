@@ -1,0 +1,156 @@
+"""Sequence parallelism (infra/trainers/sequence.py): a tiny Wan transformer whose tokens two ranks split (two real
+processes joined by gloo on CPU, diffusers' Ulysses attention) computes the whole model's output, and the optimizer
+step's gradients (the loss scaled as `dmd2.optim.optimizer_step` scales it, then averaged over the ranks as DDP and
+FSDP2 average) are the whole model's, alone and with FSDP2 sharding the parameters over the same two ranks."""
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dmd2.config import TrainConfig
+from infra.trainers.parallel import fsdp
+from infra.trainers.sequence import data_rank, sequence_mesh, sequence_rank, split_sequence
+from tests.dmd2.families.wan.tiny_pipeline import TEXT_DIM, tiny_wan_transformer
+
+PARALLELS = ("ddp", "fsdp")
+LATENTS = (2, 4, 3, 4, 6)  # batch, channels, latent frames, height, width: 3 x 2 x 3 = 18 tokens per sample
+
+
+def inputs() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return {"hidden_states": torch.randn(LATENTS, generator=generator),
+            "timestep": torch.tensor([250.0, 800.0]),
+            "encoder_hidden_states": torch.randn(2, 5, TEXT_DIM, generator=generator)}
+
+
+def loss_and_output(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = inputs()
+    target = torch.randn(LATENTS, generator=torch.Generator().manual_seed(2))
+    output = model(**batch, return_dict=False)[0]
+    return torch.nn.functional.mse_loss(output, target), output.detach()
+
+
+def whole_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient, whole (an FSDP2 shard's gathered)."""
+    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for name, p in model.named_parameters()}
+
+
+def _rank(rank: int, root: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root / 'init'}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        for parallel in PARALLELS:
+            train = TrainConfig(world_size=2, sequence_parallel=2, parallel=parallel, rollout_batch_size=2)
+            model = split_sequence(tiny_wan_transformer(), sequence_mesh(train, "cpu"))
+            tokens = []
+            model.blocks[0].register_forward_hook(lambda module, args, out: tokens.append(out.shape[1]))
+            if parallel == "fsdp":
+                model = fsdp(model, bf16=False)
+            loss, output = loss_and_output(model)
+            (loss * train.sequence_parallel).backward()  # as `optimizer_step` differentiates it
+            gradients = whole_gradients(model)
+            if parallel == "ddp":  # DDP's average over the ranks (FSDP2's reduce-scatter averaged already)
+                for gradient in gradients.values():
+                    dist.all_reduce(gradient)
+                    gradient /= 2
+            torch.save({"loss": loss.detach(), "output": output, "gradients": gradients, "tokens": tokens,
+                        "ranks": (data_rank(rank, train), sequence_rank(rank, train))},
+                       root / f"{parallel}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned ranks, each importing diffusers: ~25 s
+def test_two_ranks_splitting_the_tokens_give_the_whole_models_output_and_gradients(tmp_path):
+    torch.multiprocessing.start_processes(_rank, args=(tmp_path,), nprocs=2, start_method="spawn")
+    model = tiny_wan_transformer()
+    loss, output = loss_and_output(model)
+    loss.backward()
+    expected = whole_gradients(model)
+    for parallel in PARALLELS:
+        for rank in (0, 1):
+            got = torch.load(tmp_path / f"{parallel}-{rank}.pt")
+            assert got["ranks"] == (0, rank)
+            assert got["tokens"] == [18 // 2]  # each rank's blocks saw half of every sample's tokens
+            assert torch.allclose(got["loss"], loss.detach(), atol=1e-6)
+            assert (got["output"] - output).abs().max() <= 1e-5
+            assert got["gradients"].keys() == expected.keys()
+            for name, gradient in expected.items():
+                assert (got["gradients"][name] - gradient).abs().max() <= 1e-5, (parallel, name)
+
+
+# -- two rollouts of the Wan family's groups (Ray ranks, gloo): sequence parallelism changes nothing ------------------
+
+PROMPTS = ["a cat runs on the grass", "a red ball", "the dog jumps", "a blue ball on the grass"]
+RUN, ROLLOUTS = "sp", 2
+
+
+def wan_spec(teacher: Path, prompts: Path, store, world_size: int, **train):
+    """DMD2 on the tiny Wan teacher: 5 frames of 32 x 32 px (2 latent frames of 2 x 2 patches: 8 tokens per sample),
+    4 samples per rollout over the data ranks, K = 2, a 2-step student, its prompts prepared into ``store``."""
+    from dataclasses import replace
+
+    from dmd2.config import config_from_dict
+    from dmd2.family import family_for
+    from infra.trainers.prepare import prepare_inputs
+
+    config = config_from_dict({
+        "model": {"family": "wan", "teacher": str(teacher)}, "student": {"num_steps": 2},
+        "optim": {"lr": 1e-3, "critic_lr": 2e-3},
+        "dmd2": {"critic_steps_per_rollout": 2, "teacher_guidance_scale": 2.0},
+        "train": {"rollout_batch_size": 4, "world_size": world_size, "rollouts": ROLLOUTS, **train},
+        "data": {"prompts": str(prompts), "frames": 5, "height": 32, "width": 32, "max_sequence_length": 8}})
+    family = family_for(config.model)
+    family.check(config)
+    config = family.resolve(config, teacher.parent / "cache")
+    spec = family.run_spec(config, teacher.parent / "cache")
+    return replace(spec, prepared=prepare_inputs(family, config, store)[0])
+
+
+def two_rollouts(spec, store) -> dict:
+    """Each rollout's metrics and the groups' weights after two, read back from rank 0's export."""
+    from infra.trainers.cluster import RankResources
+    from infra.trainers.stages import build_groups, run_rollout_on_groups
+
+    groups = build_groups(spec, store, RankResources(num_cpus=0.5))
+    try:
+        metrics = [run_rollout_on_groups(groups, RUN, rollout) for rollout in range(ROLLOUTS)]
+        tag = f"{spec.config.train.world_size}-{spec.config.train.parallel}"
+        weights = {group.role: store.get_tensors(group.export_weights(f"{RUN}/{tag}-{group.role}.safetensors")[0])
+                   for group in groups.in_order()}
+        return {"metrics": metrics, "weights": weights}
+    finally:
+        groups.shutdown()
+
+
+@pytest.fixture(scope="module")
+def wan_runs(shared_ray, tmp_path_factory):
+    from tests.dmd2.families.wan.tiny_pipeline import build_tiny_wan_pipeline
+    from tests.infra.trainers.ray_fixtures import new_store
+
+    tmp = tmp_path_factory.mktemp("sequence")
+    teacher = build_tiny_wan_pipeline(tmp / "teacher")
+    prompts = tmp / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    store = new_store(tmp)
+    return {name: two_rollouts(wan_spec(teacher, prompts, store, world_size, **train), store)
+            for name, world_size, train in (("alone", 1, {}), ("ddp", 2, {"sequence_parallel": 2}),
+                                            ("fsdp", 2, {"sequence_parallel": 2, "parallel": "fsdp"}))}
+
+
+@pytest.mark.slow  # three runs of Ray groups: ~60 s
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_rollouts_with_the_tokens_split_over_two_ranks_train_the_same_models_as_one_rank(wan_runs, parallel):
+    from tests.infra.trainers.ray_fixtures import max_abs_diff
+
+    alone, split = wan_runs["alone"], wan_runs[parallel]
+    for role in ("actor", "critic"):
+        assert max_abs_diff(alone["weights"][role], split["weights"][role]) <= 1e-5, role
+    for one, two in zip(alone["metrics"], split["metrics"]):
+        for key in ("loss", "critic-loss", "grad_norm", "critic-grad_norm"):
+            assert two[key] == pytest.approx(one[key], rel=1e-4), key
