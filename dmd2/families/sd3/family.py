@@ -5,8 +5,10 @@ snapshot is fetched once by huggingface_hub). The transformer trains; the text e
 prompt set (`prepare`, on a Ray worker), the VAE in evaluation and export, and once per image set when
 the GAN's discriminator reads real images (`[data] images`, encoded in `prepare` too). Records carry
 prompt indices into one table holding the training prompts, then the eval prompts, then the images'
-captions; the negative prompt is index -1. Samples are latents of `[data] resolution`; the student's grid and the critic's sigmas
-follow the teacher's scheduler shift unless the recipe sets its own.
+captions; the negative prompt is index -1. Samples are latents of `[data] resolution`; the student's grid and the
+critic's sigmas follow the teacher's scheduler shift unless the recipe sets its own. The frame of a run is the
+pipeline families' (dmd2/flow_pipeline/family.py); here is what SD3 adds: the built-in teacher, the GAN's real
+images, `dmd2 plan` of the published SD3.5 MMDiTs, and an export whose scheduler is solved for `set_timesteps(N)`.
 """
 
 import dataclasses
@@ -18,48 +20,29 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dmd2.config import ConfigError, DistillConfig
-from dmd2.family import ModelFamily, RunSpec
+from dmd2.config import DistillConfig
+from dmd2.family import RunSpec
 from dmd2.families.sd3.conditioning import PromptTable, TableVelocity, prompt_indices
+from dmd2.families.sd3.export import CARD
 from dmd2.families.sd3.image_folder import RealImage, read_image_folder
-from dmd2.families.sd3.pipeline import (check_sd3_pipeline, is_sd3_pipeline, latent_shape, load_transformer,
-                                        read_json, shift_of, vae_scale_factor)
+from dmd2.families.sd3.pipeline import is_sd3_pipeline, latent_shape, load_transformer, read_json, shift_of, \
+    vae_scale_factor
 from dmd2.families.sd3.prompt_file import read_prompts
-from dmd2.families.sd3.prompts import (DEFAULT_MAX_SEQUENCE_LENGTH, components_fingerprint, encoder_fingerprint,
-                                      prompts_digest)
+from dmd2.families.sd3.prompts import components_fingerprint, encode_prompt_table
 from dmd2.families.sd3.published import CLIP_TOKENS, TRANSFORMERS, VAE_SCALE_FACTOR
 from dmd2.families.sd3.real_images import caption_rows, images_digest
+from dmd2.flow_pipeline.family import PipelineFamily
 from dmd2.gan import GanTap, RealSamples
 from dmd2.model import DiffusersVelocity, VelocityFn
 from dmd2.prompt_index import PromptIndices, table_dtype  # noqa: F401 (re-exported)
 
-EVAL_PROMPTS_DEFAULT = 4  # the first prompts of [data] prompts make the grid when [eval] prompts is unset
-
-
-def _local(spec: str) -> str:
-    """A pipeline directory for `spec`: itself when it is one, else the hub snapshot of that id."""
-    if Path(spec).is_dir():
-        return spec
-    from huggingface_hub import snapshot_download  # a user's cluster fetches it once into the HF cache
-
-    return snapshot_download(spec)
-
-
-def _refusal(error: Exception) -> ConfigError:
-    return ConfigError(str(error))
-
-
 @dataclass(frozen=True)
-class SD3Family(ModelFamily):
+class SD3Family(PipelineFamily):
     name = "sd3"
-    gate_metric = "eval/distance_teacher"  # the feature KID, else the pixel KID, to the teacher (evaluation.py)
-    splits_evaluation = True  # a many-step guided teacher at 1024 px: every rank samples a share
-    report_columns = {"eval/kid_teacher": "KID vs teacher", "eval/pixel_kid_teacher": "pixel KID vs teacher",
-                      "eval/diversity_ratio": "diversity / teacher's", "eval/clip_score": "CLIP score",
-                      "eval/prompt_accuracy": "prompt accuracy"}
-    judges = {"eval/kid_teacher": "KID ([eval] feature_model)", "eval/pixel_kid_teacher": "pixel KID"}
-    generate_example = ("a photo of a cat",)  # prompts
-    generated_shape = (-1, -1, 3)  # [data] resolution, RGB
+    pipeline_classes = ("StableDiffusion3Pipeline",)
+    transformer_class = "SD3Transformer2DModel"
+    card = CARD
+    report_columns = {**PipelineFamily.report_columns, "eval/prompt_accuracy": "prompt accuracy"}
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # the MMDiT's attention (diffusers' SD3 LoRA script's)
     table: PromptTable | None = None  # bound on the ranks: the training prompts, the eval prompts, the captions
     real: RealSamples | None = None  # bound on the ranks with `[data] images`: their latents, captions' indices
@@ -67,32 +50,28 @@ class SD3Family(ModelFamily):
     def resolve(self, config: DistillConfig, cache_dir: Path) -> DistillConfig:
         from dmd2.families.sd3.builtin.pretrain import resolve_builtin  # trains the built-in teacher when missing
 
-        model = config.model
-        teacher = _local(resolve_builtin(model.teacher, cache_dir))
-        try:
-            check_sd3_pipeline(teacher)
-            shift = shift_of(teacher)
-            resolution = config.data.resolution or self._default_resolution(teacher)
-            latent_shape(teacher, resolution)
-        except ValueError as error:
-            raise _refusal(error) from None
-        config = config.with_teacher_shift(shift).replace("data", resolution=resolution)
-        return config.replace("model", family=self.name, teacher=teacher,
-                              student=model.student and _local(model.student),
-                              critic_load=model.critic_load and _local(model.critic_load))
+        return super().resolve(config.replace("model", teacher=resolve_builtin(config.model.teacher, cache_dir)),
+                               cache_dir)
 
-    @staticmethod
-    def _default_resolution(teacher: str) -> int:
+    def teacher_shift(self, teacher: str, resolution: int) -> float:
+        return shift_of(teacher)  # SD3's fixed shift (a dynamic one is refused: its pipeline sets no `mu`)
+
+    def sample_shape(self, teacher: str, config: DistillConfig) -> tuple[int, ...]:
+        return latent_shape(teacher, config.data.resolution)
+
+    def default_resolution(self, teacher: str) -> int:
         transformer = read_json(Path(teacher) / "transformer" / "config.json", f"[model] teacher {teacher}")
         vae = read_json(Path(teacher) / "vae" / "config.json", f"[model] teacher {teacher}")
         return transformer["sample_size"] * vae_scale_factor(vae)
 
-    def eval_prompts(self, config: DistillConfig) -> list[str]:
-        return list(config.eval.prompts) or read_prompts(config.data.prompts)[:EVAL_PROMPTS_DEFAULT]
+    def encode_prompts(self, pipeline: Any, prompts: list[str], negative_prompt: str,
+                       max_sequence_length: int) -> dict[str, Tensor]:
+        return encode_prompt_table(pipeline, prompts, negative_prompt, max_sequence_length=max_sequence_length)
 
-    def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
-        shape = latent_shape(config.model.teacher, config.data.resolution)
-        return RunSpec(config, self, shape, PromptIndices(len(read_prompts(config.data.prompts))), str(cache_dir))
+    def load_text_pipeline(self, teacher: str) -> Any:
+        from dmd2.families.sd3.prompts import load_text_pipeline  # refuses a pipeline without T5
+
+        return load_text_pipeline(teacher)
 
     # -- dmd2 plan: the published MMDiTs by hub id (nothing downloaded), a pipeline directory by its configs --
 
@@ -112,7 +91,7 @@ class SD3Family(ModelFamily):
             resolution = config.data.resolution or transformer["sample_size"] * VAE_SCALE_FACTOR
             shape = (transformer["in_channels"], resolution // VAE_SCALE_FACTOR, resolution // VAE_SCALE_FACTOR)
         else:
-            shape = latent_shape(teacher, config.data.resolution or self._default_resolution(teacher))
+            shape = latent_shape(teacher, config.data.resolution or self.default_resolution(teacher))
         return RunSpec(config, self, shape, PromptIndices(1), "")
 
     def plan_bind(self, config: DistillConfig, device: torch.device | str) -> "SD3Family":
@@ -141,11 +120,7 @@ class SD3Family(ModelFamily):
         return read_image_folder(config.data.images) if config.data.images else []
 
     def prepared_key(self, config: DistillConfig) -> str:
-        prompts = read_prompts(config.data.prompts) + self.eval_prompts(config)
-        key = prompts_digest(prompts, config.data.negative_prompt, encoder_fingerprint(config.model.teacher),
-                             config.data.max_sequence_length)
-        if table_dtype(config) != torch.float32:  # fp32 tables keep the key they had before tables were bf16
-            key = hashlib.sha256(f"{key} {table_dtype(config)}".encode()).hexdigest()
+        key = super().prepared_key(config)
         images = self.real_images(config)
         if not images:  # without real images the key is the prompts' alone: earlier runs' tables stay valid
             return key
@@ -155,14 +130,13 @@ class SD3Family(ModelFamily):
     def prepare(self, config: DistillConfig) -> dict[str, dict[str, Tensor]]:
         """{"prompts": the table (training prompts, eval prompts, then the captions not among them)}, and with
         `[data] images`, {"real": {"latents": [N, C, h, w] float32, "prompt_index": [N] the captions' rows}}."""
-        from dmd2.families.sd3.prompts import encode_prompt_table, load_text_pipeline
         from dmd2.families.sd3.real_images import encode_images, load_vae
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         images = self.real_images(config)
         rows, caption_index = caption_rows(read_prompts(config.data.prompts) + self.eval_prompts(config),
                                            [image.caption for image in images])
-        pipeline = load_text_pipeline(config.model.teacher).to(device)
+        pipeline = self.load_text_pipeline(config.model.teacher).to(device)
         table = encode_prompt_table(pipeline, rows, config.data.negative_prompt,
                                     max_sequence_length=config.data.max_sequence_length)
         prepared = {"prompts": {name: embeds.to(table_dtype(config)) for name, embeds in table.items()}}
@@ -208,19 +182,10 @@ class SD3Family(ModelFamily):
         return SD3Evaluator.build(self, config, device, cache_dir)
 
     def export(self, student: nn.Module, config: DistillConfig, out_dir: Path, card: dict[str, Any]) -> None:
+        """StableDiffusion3Pipeline calls `set_timesteps(N)`: its export's scheduler is solved for the grid."""
         from dmd2.families.sd3.export import export_pipeline
 
         recipe = {"recipe": card.get("recipe", ""), "run id": card.get("run_id", ""),
                   "rollouts": card.get("rollouts", ""), "teacher": config.model.teacher}
         export_pipeline(config.model.teacher, student, config.student.num_steps, config.student.grid_shift, out_dir,
                         {"recipe": recipe, "metrics": card.get("scores", {})})
-
-    def generation_settings(self, config: DistillConfig) -> dict[str, Any]:
-        return {"num_steps": config.student.num_steps, "resolution": config.data.resolution,  # the shift is exported
-                "max_sequence_length": config.data.max_sequence_length}
-
-    def student_generator(self, student_dir: Path, settings: dict[str, Any]):
-        from dmd2.families.sd3.generation import SD3Generator
-
-        return SD3Generator.load(student_dir, int(settings["num_steps"]), int(settings["resolution"]),
-                                 int(settings.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)))

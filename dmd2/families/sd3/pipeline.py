@@ -11,11 +11,11 @@ teacher of many GB without loading a weight. Layout (diffusers `DiffusionPipelin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dmd2.conventions import TIMESTEP_SCALE
+from dmd2.flow_pipeline import files
+from dmd2.flow_pipeline.files import SCHEDULER_CLASS, TIMESTEPS, VELOCITY_PREDICTIONS  # noqa: F401 (re-exported)
 from dmd2.pipeline_files import read_json
 
 if TYPE_CHECKING:  # the checks above `load_transformer` run before torch loads (dmd2/families/sd3/checks.py)
@@ -23,35 +23,17 @@ if TYPE_CHECKING:  # the checks above `load_transformer` run before torch loads 
     from torch import nn
 
 PIPELINE_CLASS = "StableDiffusion3Pipeline"
-SCHEDULER_CLASS = "FlowMatchEulerDiscreteScheduler"
-TIMESTEPS = int(TIMESTEP_SCALE)  # diffusers feeds the model t = num_train_timesteps * sigma
-# FlowMatchEulerDiscreteScheduler has no prediction_type: its models predict the flow velocity v = eps - x0.
-# Configs that carry the key anyway must name that target; "v_prediction" is the *diffusion* v
-# (alpha eps - sigma x0), another parametrisation.
-VELOCITY_PREDICTIONS = ("flow_prediction", "flow", "velocity")
-
-
-def read_pipeline_index(path: str | Path) -> dict[str, Any]:
-    """The pipeline's model_index.json: `_class_name` and one `[library, class]` entry per component."""
-    return read_json(Path(path) / "model_index.json", f"[model] teacher {path}")
+read_pipeline_index = files.read_index
 
 
 def is_sd3_pipeline(path: str | Path) -> bool:
     """True for a local directory whose model_index.json names `StableDiffusion3Pipeline` (text-to-image only)."""
-    try:
-        return read_pipeline_index(path).get("_class_name") == PIPELINE_CLASS
-    except ValueError:
-        return False
+    return files.is_pipeline(path, (PIPELINE_CLASS,))
 
 
 def check_sd3_pipeline(path: str | Path) -> dict[str, Any]:
     """The index of an SD3 pipeline directory; refuses any other pipeline class."""
-    index = read_pipeline_index(path)
-    found = index.get("_class_name")
-    if found != PIPELINE_CLASS:
-        raise ValueError(f"[model] teacher {path}: model_index.json names {found!r}, not {PIPELINE_CLASS!r}; "
-                         f"the sd3 family distils a diffusers {PIPELINE_CLASS} directory (SD3 or SD3.5)")
-    return index
+    return files.check_pipeline(path, (PIPELINE_CLASS,), "sd3")
 
 
 def check_flow_matching(path: str | Path) -> dict[str, Any]:
@@ -61,25 +43,12 @@ def check_flow_matching(path: str | Path) -> dict[str, Any]:
     fixed time shift (dmd2/schedule.py), which is what `FlowMatchEulerDiscreteScheduler` with
     `use_dynamic_shifting = false` describes. Callers read `shift` from the returned dict.
     """
-    config_path = Path(path) / "scheduler" / "scheduler_config.json"
-    config = read_json(config_path, f"[model] teacher {path}")
-    found = config.get("_class_name")
-    if found != SCHEDULER_CLASS:
-        raise ValueError(f"[model] teacher {path}: its scheduler ({config_path}) is {found!r}; DMD2 on SD3 needs a "
-                         f"flow-matching teacher with {SCHEDULER_CLASS} (velocity prediction, sigma in [0, 1]); "
-                         f"point [model] teacher at a Stable Diffusion 3 / 3.5 diffusers pipeline")
-    prediction = config.get("prediction_type")
-    if prediction is not None and prediction not in VELOCITY_PREDICTIONS:
-        raise ValueError(f"[model] teacher {path}: {config_path} has prediction_type {prediction!r}; the teacher "
-                         f"must predict the flow velocity (one of {VELOCITY_PREDICTIONS}, or no such key)")
-    if config.get("num_train_timesteps", TIMESTEPS) != TIMESTEPS:
-        raise ValueError(f"[model] teacher {path}: {config_path} has num_train_timesteps "
-                         f"{config['num_train_timesteps']}; the model's timestep must be t = {TIMESTEPS} sigma "
-                         f"(dmd2/schedule.py), as in SD3 and SD3.5: use a teacher trained that way")
+    config = files.scheduler_config(path, "SD3")
     if config.get("use_dynamic_shifting", False):
-        raise ValueError(f"[model] teacher {path}: {config_path} sets use_dynamic_shifting = true (a shift that "
-                         f"depends on the resolution); the student's grid must be fixed: set it to false and give "
-                         f"`shift` explicitly in that file (SD3 and SD3.5 ship with shift = 3.0)")
+        raise ValueError(f"[model] teacher {path}: {Path(path) / 'scheduler' / 'scheduler_config.json'} sets "
+                         f"use_dynamic_shifting = true (a shift that depends on the resolution); the student's grid "
+                         f"must be fixed: set it to false and give `shift` explicitly in that file (SD3 and SD3.5 "
+                         f"ship with shift = 3.0)")
     return config
 
 
@@ -99,7 +68,7 @@ def shift_of(path: str | Path) -> float:
 
 def vae_scale_factor(vae_config: dict[str, Any]) -> int:
     """Pixels per latent cell: each VAE block but the last halves the resolution (as StableDiffusion3Pipeline)."""
-    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+    return files.vae_scale_factor(vae_config["block_out_channels"])
 
 
 def latent_shape(path: str | Path, resolution: int) -> tuple[int, int, int]:

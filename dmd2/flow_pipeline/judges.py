@@ -1,4 +1,4 @@
-"""What the SD3 evaluator reads pictures with: a feature model (`[eval] feature_model`) and the CLIP score
+"""What the picture evaluators of pipeline families read pictures with: a feature model (`[eval] feature_model`) and the CLIP score
 (`[eval] clip_model`), each through the model's own preprocessing (its transformers image processor), given
 pictures as a pipeline outputs them (uint8 RGB, `to_uint8`).
 
