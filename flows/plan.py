@@ -82,8 +82,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     family = family_for(config.model)
     print(f"planning {args.recipe} on {train.world_size} GPU(s) of {args.gpu_memory / GiB:.0f} GiB: {layout(config)}; "
-          f"B = {config.critic_batch_size} samples per GPU per critic step (rehearsing a rollout on fake tensors)...",
-          flush=True)
+          f"B = {batch(config)} per critic step (rehearsing a rollout on fake tensors)...", flush=True)
     plan = plan_memory(family.plan_spec(config))
     usable = (1 - RESERVE) * args.gpu_memory
     print(table(plan))
@@ -129,6 +128,14 @@ def duration(seconds: float) -> str:
     return f"{seconds * 1e6:.3g} us"
 
 
+def batch(config: DistillConfig) -> str:
+    """B, and what one GPU holds of it: its samples, or under sequence parallelism its part of their tokens."""
+    n = config.train.sequence_parallel
+    if n == 1:
+        return f"{config.critic_batch_size} samples per GPU"
+    return f"{config.critic_batch_size} samples per {n} GPUs, each GPU holding 1/{n} of their tokens"
+
+
 def layout(config: DistillConfig) -> str:
     train = config.train
     sharding = {"ddp": "DDP", "fsdp": "FSDP2",
@@ -136,7 +143,9 @@ def layout(config: DistillConfig) -> str:
                         "replicas)"}
     return ", ".join([sharding[train.parallel],
                       "bf16 compute" if train.mixed_precision == "bf16" else "fp32",
-                      *(["activation checkpointing"] if train.activation_checkpointing else [])])
+                      *(["activation checkpointing"] if train.activation_checkpointing else []),
+                      *([f"sequence parallel over {train.sequence_parallel} GPUs"] if train.sequence_parallel > 1
+                        else [])])
 
 
 def table(plan) -> str:
@@ -146,6 +155,13 @@ def table(plan) -> str:
             + f" {tflop(plan.flops[stage.stage]):>8}" for stage in plan.stages]
     return "\n".join(["GiB per GPU (one rank of each group), by what holds it, and the stage's compute per GPU:",
                       header, *rows])
+
+
+def splits_tokens(config: DistillConfig) -> bool:
+    """Whether the recipe's family can split a sample's tokens over GPUs (`[train] sequence_parallel`)."""
+    from dmd2.family import FAMILIES, family_name
+
+    return FAMILIES[family_name(config.model)].sequence_parallel
 
 
 def remedies(config: DistillConfig, peak) -> str:
@@ -162,9 +178,12 @@ def remedies(config: DistillConfig, peak) -> str:
     if not train.activation_checkpointing and parts["activations"] > 0.1 * peak.peak:
         options.append((parts["activations"], "set [train] activation_checkpointing = true (recompute activations "
                                               "in backward)"))
+    tokens = parts["activations"] + parts["temporaries"]
+    if splits_tokens(config) and train.sequence_parallel < train.world_size and tokens > 0.3 * peak.peak:
+        options.append((tokens / 2, f"raise [train] sequence_parallel (now {train.sequence_parallel}) to a divisor "
+                                    "of world_size (each GPU then holds that share of every sample's tokens)"))
     options.sort(key=lambda option: -option[0])
-    options.append((0, f"lower [train] rollout_batch_size (now {config.critic_batch_size} samples per GPU per critic "
-                       "step)" + {"ddp": "", "fsdp": ", or plan more GPUs (--gpus)",
+    options.append((0, f"lower [train] rollout_batch_size (now {batch(config)} per critic step)" + {"ddp": "", "fsdp": ", or plan more GPUs (--gpus)",
                                   "hsdp": ", or shard over more GPUs ([train] shard_group_size)"}[train.parallel]))
     return "; or ".join(text for _, text in options)
 

@@ -43,7 +43,9 @@ def sequence_rank(rank: int, train: TrainConfig) -> int:
 
 @functools.cache  # once per process group: both roles' ranks share it (a mesh's groups are made collectively)
 def _mesh(device_type: str, shape: tuple[int, ...], world: object) -> DeviceMesh:
-    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    mesh["ring", "ulysses"]._flatten()  # diffusers' setup flattens it: made now, the mesh keeps it (not in a fake mode)
+    return mesh
 
 
 def sequence_mesh(train: TrainConfig, device_type: str) -> DeviceMesh | None:

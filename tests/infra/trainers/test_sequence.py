@@ -154,3 +154,34 @@ def test_two_rollouts_with_the_tokens_split_over_two_ranks_train_the_same_models
     for one, two in zip(alone["metrics"], split["metrics"]):
         for key in ("loss", "critic-loss", "grad_norm", "critic-grad_norm"):
             assert two[key] == pytest.approx(one[key], rel=1e-4), key
+
+
+def test_dmd2_plan_gives_each_gpu_its_share_of_the_tokens_activations_and_compute(tmp_path):
+    """The plan rehearses the split model on a fake process group: with a sample's 3 x 8 x 8 = 192 tokens split over
+    two GPUs, what a GPU keeps for backward and the rollout's and scoring's FLOPs are about half of one GPU's with
+    the whole sample (attention's backward recomputes its forward in diffusers' Ulysses: the training FLOPs are
+    more than half)."""
+    from dmd2.config import config_from_dict
+    from dmd2.family import family_for
+    from infra.trainers.memory_plan import plan_memory
+    from tests.dmd2.families.wan.tiny_pipeline import build_tiny_wan_pipeline
+
+    teacher = build_tiny_wan_pipeline(tmp_path / "teacher")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+
+    def plan(sequence_parallel: int):  # one sample per critic step on each GPU, or on each pair of GPUs
+        config = config_from_dict({
+            "model": {"family": "wan", "teacher": str(teacher)}, "dmd2": {"critic_steps_per_rollout": 1},
+            "train": {"world_size": 2, "sequence_parallel": sequence_parallel, "parallel": "fsdp",
+                      "rollout_batch_size": 2 // sequence_parallel},
+            "data": {"prompts": str(prompts), "frames": 9, "height": 128, "width": 128, "max_sequence_length": 8}})
+        plan = plan_memory(family_for(config.model).plan_spec(config))
+        return {stage.stage: stage.by_category["activations"] for stage in plan.stages}, plan.flops
+
+    (whole, whole_flops), (split, split_flops) = plan(1), plan(2)
+    for stage in ("critic-train", "actor-train"):
+        assert 0.4 * whole[stage] < split[stage] < 0.55 * whole[stage], stage
+        assert 0.5 * whole_flops[stage] < split_flops[stage] < 0.7 * whole_flops[stage], stage
+    for stage in ("rollout", "score"):
+        assert 0.45 * whole_flops[stage] < split_flops[stage] < 0.55 * whole_flops[stage], stage
