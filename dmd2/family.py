@@ -70,6 +70,7 @@ FAMILIES = {
     "sd3": Registration("dmd2.families.sd3.family:SD3Family", "dmd2.families.sd3.checks",
                         "dmd2.families.sd3.commands:COMMANDS"),
     "wan": Registration("dmd2.families.wan.family:WanFamily", "dmd2.families.wan.checks", sequence_parallel=True),
+    "flux": Registration("dmd2.families.flux.family:FluxFamily", "dmd2.families.flux.checks"),
 }
 
 

@@ -50,6 +50,12 @@ class HostCalls:
         cond = {k: v.to(self.device) for k, v in cond.items()}
         return self.velocity(x_s.to(self.device), sigma.to(self.device), cond).to(x_s.device)
 
+    @property
+    def guided(self):
+        """The wrapped velocity's own guidance (`guided`), kept on the device; None: plain CFG around this."""
+        own = getattr(self.velocity, "guided", None)
+        return own and (lambda scale, neg_cond: HostCalls(own(scale, neg_cond), self.device))
+
 
 def load_pretrained(path: str, dtype: torch.dtype | None = None) -> nn.Module:
     """A diffusers model from a `save_pretrained` directory (or a hub id the machine can reach), in `dtype`.
@@ -102,10 +108,14 @@ def _refuse_pickled_only(folder: Path) -> None:
 def guided(velocity_fn: VelocityFn, scale: float, neg_cond: Cond) -> VelocityFn:
     """CFG over `neg_cond` (`v = v_neg + w (v_pos - v_neg)`), both branches in one batched forward.
 
-    With scale 1 the negative branch cannot change the result, so it is not computed.
+    With scale 1 the negative branch cannot change the result, so it is not computed. A velocity fn whose model takes
+    guidance its own way (FLUX.1 [dev]'s guidance input, Qwen-Image's CFG with norm rescaling) says how with a method
+    `guided(scale, neg_cond) -> VelocityFn`, which wrappers (`HostCalls`, `dmd2.precision.Autocast`) pass on.
     """
     if scale == 1.0:
         return velocity_fn
+    if (own := getattr(velocity_fn, "guided", None)) is not None:
+        return own(scale, neg_cond)
 
     def guided_fn(x_s: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         both = velocity_fn(torch.cat([x_s, x_s]), torch.cat([sigma, sigma]), cat_cond(cond, neg_cond))

@@ -23,6 +23,13 @@ class Autocast:
         with torch.autocast(self.device_type, dtype=torch.bfloat16):
             return self.velocity_fn(x_s, sigma, cond).float()
 
+    @property
+    def guided(self):
+        """The wrapped velocity's own guidance (`dmd2.model.guided`), computed under autocast too; None: plain CFG
+        around this (in fp32, as before)."""
+        own = getattr(self.velocity_fn, "guided", None)
+        return own and (lambda scale, neg_cond: Autocast(own(scale, neg_cond), self.device_type))
+
 
 def in_run_precision(velocity_fn: VelocityFn, config: DistillConfig, device_type: str) -> VelocityFn:
     """``velocity_fn`` as the run computes it: under `Autocast` with `[train] mixed_precision = "bf16"`."""

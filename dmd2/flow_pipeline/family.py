@@ -88,6 +88,10 @@ class PipelineFamily(ModelFamily):
         return FlowMatchEulerDiscreteScheduler(shift=config.student.grid_shift, use_dynamic_shifting=False,
                                                stochastic_sampling=True)
 
+    def card_text(self, config: DistillConfig) -> CardText:
+        """What the export's model card says of the pipeline (dmd2/flow_pipeline/export.py)."""
+        return self.card
+
     def pipeline_call(self, settings: dict[str, Any]) -> dict[str, Any]:
         """The export's call arguments besides the prompts, the steps and the generator."""
         resolution = int(settings["resolution"]) or None  # 0: the pipeline's default

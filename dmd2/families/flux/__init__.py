@@ -1,0 +1,6 @@
+"""FLUX.1: a diffusers `FluxPipeline` teacher (FLUX.1 [dev], guidance-distilled) distilled into a few-step student.
+
+On the pipeline families' base (dmd2/flow_pipeline/): what FLUX states is its pipeline's JSON and the time shift
+its `mu` gives at a resolution (`pipeline`), how its transformer is called (`velocity`: 2 x 2 packing, `txt_ids` /
+`img_ids`, timestep = sigma, the guidance input), and the family itself (`family`). Importing this package is cheap.
+"""

@@ -1,0 +1,59 @@
+"""The flux family's model call against FluxPipeline's own: the prompt table is the pipeline's `encode_prompt`, and the
+velocity is the pipeline's transformer call on its own packed latents, ids, timestep (sigma) and guidance input."""
+
+import torch
+
+from dmd2.config import config_from_dict
+from dmd2.families.flux.family import FluxFamily
+from dmd2.model import guided
+from dmd2.prompt_index import negative_indices, prompt_indices
+
+PROMPTS = ["a photo of a cat", "a red dog on the sign", "the blue sign"]
+TOKENS = 8
+
+
+def test_the_prompt_table_is_the_pipelines_own_encoding(flux_dir, flux_pipe, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    config = config_from_dict({"model": {"family": "flux", "teacher": str(flux_dir)},
+                               "data": {"prompts": str(prompts), "max_sequence_length": TOKENS, "resolution": 16,
+                                        "negative_prompt": "blurry"}})
+    table = FluxFamily().prepare(config)["prompts"]
+    with torch.no_grad():
+        for row, prompt in enumerate(PROMPTS + PROMPTS):  # the training prompts, then the eval prompts
+            embeds, pooled, _ = flux_pipe.encode_prompt([prompt], prompt_2=None, max_sequence_length=TOKENS)
+            assert torch.allclose(table["prompt_embeds"][row], embeds[0], atol=1e-6)
+            assert torch.allclose(table["pooled_prompt_embeds"][row], pooled[0], atol=1e-6)
+        negative, negative_pooled, _ = flux_pipe.encode_prompt(["blurry"], max_sequence_length=TOKENS)
+    assert torch.allclose(table["negative_prompt_embeds"], negative, atol=1e-6)
+    assert torch.allclose(table["negative_pooled_prompt_embeds"], negative_pooled, atol=1e-6)
+
+
+def test_the_velocity_is_the_pipelines_transformer_call(flux_dir, flux_pipe):
+    """FluxPipeline.__call__'s model call, built with the pipeline's own prepare_latents (packing, img_ids),
+    encode_prompt (txt_ids), timestep t / 1000 and guidance; the guided teacher is the same call at the guidance
+    scale, with no negative branch."""
+    with torch.no_grad():
+        embeds, pooled, text_ids = flux_pipe.encode_prompt(PROMPTS[:2], max_sequence_length=TOKENS)
+        negative, negative_pooled, _ = flux_pipe.encode_prompt([""], max_sequence_length=TOKENS)
+    tables = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "negative_prompt_embeds": negative,
+              "negative_pooled_prompt_embeds": negative_pooled}
+    family = FluxFamily(guidance=2.5).bind({"prompts": tables})
+    transformer = flux_pipe.transformer
+    packed, image_ids = flux_pipe.prepare_latents(2, 4, 32, 16, embeds.dtype, "cpu", torch.Generator().manual_seed(0))
+    latents = flux_pipe._unpack_latents(packed, 32, 16, flux_pipe.vae_scale_factor)  # [2, 4, 16, 8]: not square
+    sigma = torch.tensor([0.8, 0.3])
+
+    def pipeline_call(guidance: float) -> torch.Tensor:
+        out = transformer(hidden_states=packed, timestep=(sigma * 1000) / 1000, guidance=torch.full([2], guidance),
+                          pooled_projections=pooled, encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=image_ids,
+                          return_dict=False)[0]
+        return flux_pipe._unpack_latents(out, 32, 16, flux_pipe.vae_scale_factor)
+
+    with torch.no_grad():
+        velocity = family.velocity(transformer)
+        v = velocity(latents, sigma, prompt_indices(torch.tensor([0, 1])))
+        assert torch.allclose(v, pipeline_call(2.5), atol=1e-6)
+        teacher = guided(velocity, 4.0, negative_indices(2))(latents, sigma, prompt_indices(torch.tensor([0, 1])))
+        assert torch.allclose(teacher, pipeline_call(4.0), atol=1e-6)
+        assert (teacher - v).abs().max() > 1e-4  # the guidance input matters
