@@ -2,7 +2,7 @@
 
 import pytest
 
-from dmd2.config import ConfigError, config_from_dict
+from dmd2.config import ConfigError, config_from_dict, load_recipe
 from dmd2.family import checked_family, family_name
 from dmd2.families.wan import checks
 from dmd2.families.wan.pipeline import experts, flow_shift_of, latent_shape
@@ -68,16 +68,17 @@ def test_a_sequence_split_the_teacher_cannot_take_is_refused(wan_dir, tmp_path, 
     checked_family(config.replace("data", height=32, width=32).replace("train", world_size=2, sequence_parallel=2))
 
 
-def test_the_published_14b_teacher_splits_720p_over_8_ranks_and_the_13b_does_not(tmp_path):
+def test_the_14b_recipe_splits_its_720p_videos_over_the_node_and_the_13b_teacher_could_not(tmp_path):
+    from flows.recipe import RECIPES
+
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a cat\n")
-    recipe = {"model": {"family": "wan", "teacher": "Wan-AI/Wan2.1-T2V-14B-Diffusers"},
-              "train": {"world_size": 8, "sequence_parallel": 8, "rollout_batch_size": 5},
-              "data": {"prompts": str(prompts), "frames": 81, "height": 720, "width": 1280}}
-    checked_family(config_from_dict(recipe))  # 40 heads, 21 x 45 x 80 tokens
-    recipe["model"]["teacher"] = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    recipe = RECIPES / "wan21-t2v-14b-4step.toml"
+    config = load_recipe(recipe, {"data": {"prompts": str(prompts)}})
+    assert (config.train.world_size, config.train.sequence_parallel, config.critic_batch_size) == (8, 8, 1)
+    checked_family(config)  # 40 heads, 21 x 45 x 80 tokens: both split over 8
     with pytest.raises(ConfigError, match="does not divide the 12 attention heads"):
-        checked_family(config_from_dict(recipe))
+        checked_family(config.replace("model", teacher="Wan-AI/Wan2.1-T2V-1.3B-Diffusers"))
 
 
 def test_families_whose_model_cannot_split_tokens_refuse_sequence_parallel():
