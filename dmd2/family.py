@@ -71,6 +71,7 @@ FAMILIES = {
                         "dmd2.families.sd3.commands:COMMANDS"),
     "wan": Registration("dmd2.families.wan.family:WanFamily", "dmd2.families.wan.checks", sequence_parallel=True),
     "flux": Registration("dmd2.families.flux.family:FluxFamily", "dmd2.families.flux.checks"),
+    "qwen_image": Registration("dmd2.families.qwen_image.family:QwenImageFamily", "dmd2.families.qwen_image.checks"),
 }
 
 

@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 
 from dmd2.config import load_recipe, parse_overrides
 from dmd2.families.flux.family import FluxFamily
-from dmd2.families.flux.velocity import pack, unpack
+from dmd2.flow_pipeline.packing import pack, unpack
 from dmd2.prompt_index import prompt_indices
 from dmd2.rollout import backward_simulate
 from dmd2.schedule import student_sigmas

@@ -10,21 +10,9 @@ unpacked back to [B, C, H, W]: the velocity eps - x0 in the algorithm's layout.
 import torch
 from torch import Tensor, nn
 
+from dmd2.flow_pipeline.packing import pack, unpack
 from dmd2.model import Cond, VelocityFn, guided
 from dmd2.prompt_index import INDEX_KEY
-
-
-def pack(latents: Tensor) -> Tensor:
-    """[B, C, H, W] -> [B, (H/2)(W/2), 4C]: token (i, j) holds cells (2i + a, 2j + b) as channels c * 4 + 2a + b."""
-    b, c, h, w = latents.shape
-    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: Tensor, height: int, width: int) -> Tensor:
-    """`pack`'s inverse: [B, (H/2)(W/2), 4C] -> [B, C, H, W]."""
-    b, _, channels = tokens.shape
-    x = tokens.view(b, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, channels // 4, height, width)
 
 
 def image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype) -> Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from dmd2.config import config_from_dict
 from dmd2.families.flux.family import FluxFamily
-from dmd2.families.flux.velocity import pack, unpack
+from dmd2.flow_pipeline.packing import pack, unpack
 from dmd2.flow_pipeline.export import LORA_DIR
 from dmd2.lora import add_adapters
 from dmd2.prompt_index import prompt_indices
