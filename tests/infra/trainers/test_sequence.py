@@ -104,7 +104,8 @@ def wan_spec(teacher: Path, prompts: Path, store, world_size: int, **train):
         "optim": {"lr": 1e-3, "critic_lr": 2e-3},
         "dmd2": {"critic_steps_per_rollout": 2, "teacher_guidance_scale": 2.0},
         "train": {"rollout_batch_size": 4, "world_size": world_size, "rollouts": ROLLOUTS, **train},
-        "data": {"prompts": str(prompts), "frames": 5, "height": 32, "width": 32, "max_sequence_length": 8}})
+        "data": {"prompts": str(prompts), "frames": 5, "height": 32, "width": 32, "max_sequence_length": 8},
+        "eval": {"prompts": PROMPTS[:3], "reference_steps": 2}})
     family = family_for(config.model)
     family.check(config)
     config = family.resolve(config, teacher.parent / "cache")
@@ -113,7 +114,8 @@ def wan_spec(teacher: Path, prompts: Path, store, world_size: int, **train):
 
 
 def two_rollouts(spec, store) -> dict:
-    """Each rollout's metrics and the groups' weights after two, read back from rank 0's export."""
+    """Each rollout's metrics, the groups' weights after two, read back from rank 0's export, and the student's
+    evaluation (split over the ranks: 3 prompts x 2 noises)."""
     from infra.trainers.cluster import RankResources
     from infra.trainers.stages import build_groups, run_rollout_on_groups
 
@@ -123,7 +125,7 @@ def two_rollouts(spec, store) -> dict:
         tag = f"{spec.config.train.world_size}-{spec.config.train.parallel}"
         weights = {group.role: store.get_tensors(group.export_weights(f"{RUN}/{tag}-{group.role}.safetensors")[0])
                    for group in groups.in_order()}
-        return {"metrics": metrics, "weights": weights}
+        return {"metrics": metrics, "weights": weights, "scores": groups.actor.evaluate(RUN, ROLLOUTS).scores}
     finally:
         groups.shutdown()
 
@@ -143,7 +145,7 @@ def wan_runs(shared_ray, tmp_path_factory):
                                             ("fsdp", 2, {"sequence_parallel": 2, "parallel": "fsdp"}))}
 
 
-@pytest.mark.slow  # three runs of Ray groups: ~60 s
+@pytest.mark.slow  # three runs of Ray groups, each evaluated: ~70 s
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_rollouts_with_the_tokens_split_over_two_ranks_train_the_same_models_as_one_rank(wan_runs, parallel):
     from tests.infra.trainers.ray_fixtures import max_abs_diff
@@ -154,6 +156,10 @@ def test_two_rollouts_with_the_tokens_split_over_two_ranks_train_the_same_models
     for one, two in zip(alone["metrics"], split["metrics"]):
         for key in ("loss", "critic-loss", "grad_norm", "critic-grad_norm"):
             assert two[key] == pytest.approx(one[key], rel=1e-4), key
+    # Each sequence group sampled one share of the evaluation: the same videos, scored alike.
+    assert alone["scores"] and split["scores"].keys() == alone["scores"].keys()
+    for key, value in alone["scores"].items():
+        assert split["scores"][key] == pytest.approx(value, rel=1e-3, abs=1e-5), key
 
 
 def test_dmd2_plan_gives_each_gpu_its_share_of_the_tokens_activations_and_compute(tmp_path):
