@@ -53,6 +53,11 @@ class StudentConfig:
                                           "`lora_rank` (scale 1).")
     critic_lora: bool = option(False, "The DMD2 critic trains LoRA adapters of the same rank too (over its "
                                       "init's weights); false: the critic is fully fine-tuned.")
+    expert: str = option("", "Wan 2.2 A14B (two experts): the student is one of them, `transformer` (the "
+                             "high-noise expert) or `transformer_2` (low noise), initialised from it and used at every "
+                             "step of its grid, so its export is a one-transformer WanPipeline; the critic and the "
+                             "teacher keep both. Empty: the student keeps both, each sample answered by the expert of "
+                             "its timestep.")
 
     @property
     def grid_shift(self) -> float:

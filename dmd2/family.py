@@ -59,9 +59,16 @@ class Registration:
     # "module:Class", a judge of RGB pictures the family offers other families' evaluators: `[eval] feature_model =
     # "builtin:<family>"` (`Class.load(cache_dir)`, then `features(images)` and `classify(images)`).
     judge: str | None = None
-    # Whether its transformer splits tokens over ranks (`[train] sequence_parallel`: diffusers' `_cp_plan`); the
-    # checks module then refuses a split its model's heads or tokens do not allow.
-    sequence_parallel: bool = False
+    # Which of `FAMILY_OPTIONS` it reads (its checks module refuses the values its models do not allow); set, the
+    # others are refused for it (`check_family`).
+    reads: tuple[str, ...] = ()
+
+
+# Options only some families read: "[section] option" -> (its unset value, why a family that does not read it can't).
+FAMILY_OPTIONS = {
+    "[train] sequence_parallel": (1, "its model cannot split its tokens over ranks"),  # diffusers' `_cp_plan`
+    "[student] expert": ("", "its teacher has no experts to choose from"),  # Wan 2.2 A14B's two
+}
 
 
 FAMILIES = {
@@ -69,7 +76,8 @@ FAMILIES = {
                            "dmd2.families.digits.commands:COMMANDS", judge="dmd2.families.digits.judge:DigitsJudge"),
     "sd3": Registration("dmd2.families.sd3.family:SD3Family", "dmd2.families.sd3.checks",
                         "dmd2.families.sd3.commands:COMMANDS"),
-    "wan": Registration("dmd2.families.wan.family:WanFamily", "dmd2.families.wan.checks", sequence_parallel=True),
+    "wan": Registration("dmd2.families.wan.family:WanFamily", "dmd2.families.wan.checks",
+                        reads=("[train] sequence_parallel", "[student] expert")),
     "flux": Registration("dmd2.families.flux.family:FluxFamily", "dmd2.families.flux.checks"),
     "qwen_image": Registration("dmd2.families.qwen_image.family:QwenImageFamily", "dmd2.families.qwen_image.checks"),
 }
@@ -226,6 +234,10 @@ class ModelFamily:
         `[train] mixed_precision = "bf16"`), loaded straight into it; None is the family's default (fp32)."""
         raise NotImplementedError
 
+    def trained_part(self, model: nn.Module, role: str, config: DistillConfig) -> nn.Module:
+        """What group ``role`` (`actor`, `critic`) trains of its loaded init (`load_model`): all of it by default."""
+        return model
+
     def model_on_meta(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:
         """`load_model(path, dtype)`'s architecture on the meta device, made from its config alone (no weight is
         read): what `dmd2 plan` gives fake storage and measures."""
@@ -309,11 +321,15 @@ def family_checks(name: str) -> ModuleType:
 
 
 def check_family(name: str, config: DistillConfig) -> None:
-    """Family ``name``'s checks of ``config`` (its checks module's `check`), and whether it splits tokens at all."""
-    if config.train.sequence_parallel > 1 and not _registration(name).sequence_parallel:
-        able = sorted(family for family, registration in FAMILIES.items() if registration.sequence_parallel)
-        raise ConfigError(f"[train] sequence_parallel = {config.train.sequence_parallel}: the {name} family's model "
-                          f"cannot split its tokens over ranks (families that can: {', '.join(able)}); set it to 1")
+    """Family ``name``'s checks of ``config`` (its checks module's `check`), after refusing the `FAMILY_OPTIONS` it
+    does not read."""
+    for key, (unset, lacking) in FAMILY_OPTIONS.items():
+        section, option = key[1:].split("] ")
+        value = getattr(getattr(config, section), option)
+        if value != unset and key not in _registration(name).reads:
+            able = sorted(family for family, registration in FAMILIES.items() if key in registration.reads)
+            raise ConfigError(f"{key} = {value!r}: not read by the {name} family, {lacking} (families that read it: "
+                              f"{', '.join(able)}); set it to {unset!r}")
     family_checks(name).check(config)
 
 

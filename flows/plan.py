@@ -161,7 +161,7 @@ def splits_tokens(config: DistillConfig) -> bool:
     """Whether the recipe's family can split a sample's tokens over GPUs (`[train] sequence_parallel`)."""
     from dmd2.family import FAMILIES, family_name
 
-    return FAMILIES[family_name(config.model)].sequence_parallel
+    return "[train] sequence_parallel" in FAMILIES[family_name(config.model)].reads
 
 
 def remedies(config: DistillConfig, peak) -> str:
@@ -183,8 +183,9 @@ def remedies(config: DistillConfig, peak) -> str:
         options.append((tokens / 2, f"raise [train] sequence_parallel (now {train.sequence_parallel}) to a divisor "
                                     "of world_size (each GPU then holds that share of every sample's tokens)"))
     options.sort(key=lambda option: -option[0])
-    options.append((0, f"lower [train] rollout_batch_size (now {batch(config)} per critic step)" + {"ddp": "", "fsdp": ", or plan more GPUs (--gpus)",
-                                  "hsdp": ", or shard over more GPUs ([train] shard_group_size)"}[train.parallel]))
+    options.append((0, f"lower [train] rollout_batch_size (now {batch(config)} per critic step)"
+                       + {"ddp": "", "fsdp": ", or plan more GPUs (--gpus)",
+                          "hsdp": ", or shard over more GPUs ([train] shard_group_size)"}[train.parallel]))
     return "; or ".join(text for _, text in options)
 
 

@@ -24,10 +24,12 @@ from infra.trainers.sequence import sequence_mesh, split_sequence
 
 
 def role_model(model: nn.Module, family: ModelFamily, trainer: TrainerConfig, config: DistillConfig) -> nn.Module:
-    """The model a group trains, from its loaded init: LoRA adapters over it with `[student] lora_rank`, and the
-    critic's GAN head with `[dmd2] critic_gan_weight` (a submodule: it trains, sleeps and is checkpointed with the
-    critic, dmd2/gan.py). Shared with `dmd2 plan` (infra/trainers/memory_plan.py), which gives it fake storage."""
-    model = with_role_adapters(model, config, trainer.role, family.lora_targets)
+    """The model a group trains, from its loaded init: the family's part of it for the role (`trained_part`), LoRA
+    adapters over it with `[student] lora_rank`, and the critic's GAN head with `[dmd2] critic_gan_weight` (a
+    submodule: it trains, sleeps and is checkpointed with the critic, dmd2/gan.py). Shared with `dmd2 plan`
+    (infra/trainers/memory_plan.py), which gives it fake storage."""
+    model = with_role_adapters(family.trained_part(model, trainer.role, config), config, trainer.role,
+                               family.lora_targets)
     if trainer.gan_head:
         model = attach_gan_head(model, family.gan_tap(model), config.train.seed)
     return model

@@ -7,8 +7,8 @@ cache holds it, its snapshot is checked like a directory.
 
 from dmd2.config import ConfigError, DistillConfig
 from dmd2.prompt_file import read_prompts
-from dmd2.families.wan.pipeline import (check_sequence_split, experts, flow_shift_of, is_wan_pipeline, latent_shape,
-                                       video_size)
+from dmd2.families.wan.pipeline import (EXPERTS, check_sequence_split, experts, flow_shift_of, is_wan_pipeline,
+                                       latent_shape, video_size)
 from dmd2.families.wan.published import TRANSFORMERS
 from dmd2.model_specs import model_dir
 
@@ -41,13 +41,33 @@ def _check_teacher(config: DistillConfig) -> None:
     """A local (or cached) teacher must be a flow-prediction WanPipeline whose latents fit the video size."""
     teacher = model_dir("[model] teacher", config.model.teacher)
     if teacher is None:  # a hub id, fetched when the run resolves it: its files are checked then
-        if config.model.teacher in TRANSFORMERS:  # a published one's configs are here
+        if config.model.teacher in TRANSFORMERS:  # a published one's configs are here (Wan 2.1: one transformer)
             check_sequence_split(config.model.teacher, *video_size(config.data), config.train.sequence_parallel)
+            check_student_expert(config, one_transformer=True)
+        else:
+            check_student_expert(config, one_transformer=False)
         return
-    experts(teacher)
+    check_student_expert(config, one_transformer=experts(teacher)[1] is None)
     flow_shift_of(teacher)
     latent_shape(teacher, *video_size(config.data))
     check_sequence_split(teacher, *video_size(config.data), config.train.sequence_parallel)
+
+
+def check_student_expert(config: DistillConfig, one_transformer: bool) -> None:
+    """`[student] expert` names one of a two-expert teacher's transformers (Wan 2.2 A14B), for a fully fine-tuned
+    student."""
+    expert = config.student.expert
+    if not expert:
+        return
+    if expert not in EXPERTS:
+        raise ValueError(f"[student] expert = {expert!r} is not one of Wan 2.2's experts: use \"transformer\" (high "
+                         "noise) or \"transformer_2\" (low noise), or leave it empty for both")
+    if one_transformer:
+        raise ValueError(f"[student] expert = {expert!r}: the teacher {config.model.teacher} has one transformer (Wan "
+                         "2.1), nothing to choose; leave [student] expert empty")
+    if config.student.lora_rank:
+        raise ValueError("[student] expert with lora_rank > 0: a LoRA student of one expert is not supported yet; set "
+                         "lora_rank = 0 or leave [student] expert empty")
 
 
 def _refuse_unread(config: DistillConfig) -> None:

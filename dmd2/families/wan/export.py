@@ -1,7 +1,8 @@
 """Export a distilled Wan student as a complete diffusers `WanPipeline` directory.
 
 The teacher's UMT5, tokenizer and VAE are copied file by file; the student's transformer replaces the teacher's
-(both experts for Wan 2.2 A14B, with the teacher's `boundary_ratio`); the scheduler is a
+(both experts for Wan 2.2 A14B, with the teacher's `boundary_ratio`, or the one expert `[student] expert` chose, with
+no boundary: it answers every step); the scheduler is a
 FlowMatchEulerDiscreteScheduler solved so that the stock pipeline,
 
     WanPipeline.from_pretrained(out_dir)(prompt, num_inference_steps=N, guidance_scale=1.0),
@@ -80,6 +81,9 @@ def export_pipeline(teacher_dir: str | Path, transformer: nn.Module, num_steps: 
         staging.mkdir(parents=True)
         _copy_teacher_parts(teacher_dir, staging, index)
         entries = _save_transformers(getattr(transformer, "module", transformer), staging)
+        if "transformer_2" not in entries and index.get("boundary_ratio") is not None:
+            # One expert of a Wan 2.2 teacher (`[student] expert`): the pipeline calls it at every step.
+            entries |= {"transformer_2": [None, None], "boundary_ratio": None}
         scheduler = FlowMatchEulerDiscreteScheduler(**student_scheduler_config(num_steps, shift))
         check_student_grid(scheduler, num_steps, shift)
         scheduler.save_pretrained(staging / "scheduler")

@@ -21,7 +21,9 @@ from torch import Tensor, nn
 from dmd2.config import ConfigError, DistillConfig
 from dmd2.family import ModelFamily, RunSpec
 from dmd2.prompt_file import read_prompts
-from dmd2.families.wan.pipeline import check_sequence_split, flow_shift_of, is_wan_pipeline, latent_shape, video_size
+from dmd2.families.wan.checks import check_student_expert
+from dmd2.families.wan.pipeline import (check_sequence_split, experts, flow_shift_of, is_wan_pipeline, latent_shape,
+                                       video_size)
 from dmd2.families.wan.prompts import WanPromptTable, table_key
 from dmd2.model import DiffusersVelocity, VelocityFn
 from dmd2.pipeline_files import read_json
@@ -59,6 +61,7 @@ class WanFamily(ModelFamily):
             shift = flow_shift_of(teacher)
             latent_shape(teacher, *video_size(config.data))
             check_sequence_split(teacher, *video_size(config.data), config.train.sequence_parallel)  # a hub snapshot
+            check_student_expert(config, one_transformer=experts(teacher)[1] is None)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         return config.with_teacher_shift(shift).replace(
@@ -126,6 +129,14 @@ class WanFamily(ModelFamily):
         from dmd2.families.wan.experts import load_wan_model
 
         return load_wan_model(path, dtype)
+
+    def trained_part(self, model: nn.Module, role: str, config: DistillConfig) -> nn.Module:
+        """With `[student] expert`, the student is that expert of a two-expert init (a one-transformer init, e.g. an
+        export of such a student, is that expert already); the critic keeps both."""
+        from dmd2.families.wan.experts import WanExperts
+
+        expert = config.student.expert
+        return getattr(model, expert) if role == "actor" and expert and isinstance(model, WanExperts) else model
 
     def velocity(self, model: nn.Module) -> VelocityFn:
         if self.table is None:

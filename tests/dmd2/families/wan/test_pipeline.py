@@ -84,9 +84,26 @@ def test_the_14b_recipe_splits_its_720p_videos_over_the_node_and_the_13b_teacher
 def test_families_whose_model_cannot_split_tokens_refuse_sequence_parallel():
     config = config_from_dict({"model": {"teacher": "builtin:digits"},
                                "train": {"world_size": 2, "sequence_parallel": 2, "rollout_batch_size": 10}})
-    with pytest.raises(ConfigError, match=r"the digits family's model cannot split its tokens over ranks \(families "
-                                          r"that can: wan\); set it to 1"):
+    with pytest.raises(ConfigError, match=r"sequence_parallel = 2: not read by the digits family, its model cannot "
+                                          r"split its tokens over ranks \(families that read it: wan\); set it to 1"):
         checked_family(config)
+
+
+@pytest.mark.parametrize("teacher, student, message", [
+    ("wan22", {"expert": "transformer_3"}, r"\[student\] expert = 'transformer_3' is not one of Wan 2.2's experts"),
+    ("wan21", {"expert": "transformer"}, r"has one transformer \(Wan 2.1\), nothing to choose"),
+    ("wan22", {"expert": "transformer", "lora_rank": 4}, r"a LoRA student of one expert is not supported yet"),
+])
+def test_a_student_expert_the_teacher_cannot_give_is_refused(wan_dir, wan22_dir, tmp_path, teacher, student, message):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+    path = {"wan21": wan_dir, "wan22": wan22_dir}[teacher]
+    config = config_from_dict({"model": {"teacher": str(path)}, "student": student,
+                               "data": {"prompts": str(prompts), "frames": 5, "resolution": 16}})
+    with pytest.raises(ConfigError, match=message):
+        checked_family(config)
+    with pytest.raises(ConfigError, match=r"\[student\] expert = 'transformer': not read by the digits family"):
+        checked_family(config_from_dict({"model": {"teacher": "builtin:digits"}, "student": {"expert": "transformer"}}))
 
 
 def test_the_picture_families_refuse_video_options(tmp_path):
