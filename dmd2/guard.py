@@ -143,7 +143,13 @@ def rollback_step(checkpoints: dict[int, bool], trip: Trip) -> int | None:
 
 
 def collapse_stop(trip: Trip, rollbacks: int, config: GuardConfig) -> CollapseError:
-    why = ("[guard] on_collapse = \"stop\"" if config.on_collapse == "stop"
-           else f"it rolled back {rollbacks} time(s), the limit ([guard] max_rollbacks = {config.max_rollbacks})")
+    """The error that stops a run for `trip`, saying why it did not roll back."""
+    if config.on_collapse == "stop":
+        why = "[guard] on_collapse = \"stop\""
+    elif rollbacks >= config.max_rollbacks:
+        why = f"it rolled back {rollbacks} time(s), the limit ([guard] max_rollbacks = {config.max_rollbacks})"
+    else:
+        why = (f"no checkpoint before rollout {trip.onset} was taken while no rule held, so there is none to roll "
+               "back to; keep [train] save_interval below [guard] warmup to have one")
     return CollapseError(f"the run is collapsing: {trip.describe()}. Stopped ({why}); nothing was exported. Lower "
                          "the learning rates, or loosen the rule's [guard] option if this run is healthy.")

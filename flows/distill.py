@@ -9,7 +9,6 @@ exported student) and the local outputs (a copy of the student, the sample grid)
 import dataclasses
 import itertools
 import os
-import re
 import socket
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,7 +23,8 @@ from dmd2.failures import RunError
 from dmd2.family import ModelFamily, default_cache_dir, family_class
 from dmd2.report import format_table
 from dmd2.progress import progress_bar
-from flows.outputs import RunResult, find_result, save_result, write_outputs
+from flows.outputs import RunResult, artifact_key, find_result, save_result, write_outputs
+from flows.collapse import RunGuard
 from flows.plan import fit_to_cluster
 from flows.preflight import preflight
 from flows.recipe import DEFAULT_RECIPE, check_run_id
@@ -147,8 +147,7 @@ def _lineage_artifact(family: ModelFamily, run_id: str, result: RunResult, track
         f"- registered model version: `{registered or 'not registered ([registry] register = false)'}`",
         f"- store prefix: `{store_prefix}`; exported student: `{result.student.uri}`",
         *(f"- {name}: `{path}`" for name, path in sorted(result.pictures.items()))])
-    key = re.sub(r"[^a-z0-9-]+", "-", f"distill-{run_id}".lower()).strip("-")
-    create_markdown_artifact(markdown, key=key, description=f"eval table and lineage of distill run {run_id}")
+    create_markdown_artifact(markdown, key=artifact_key(f"distill-{run_id}"), description=f"eval table and lineage of distill run {run_id}")
 
 
 def _register(config: DistillConfig, family: ModelFamily, run_id: str, result: RunResult,
@@ -188,7 +187,9 @@ def _run(config: DistillConfig, family: ModelFamily, run_id: str, store: Artifac
             runtime.register(run_id, groups)
             start = resume(groups, store, run_id)
             first = start if first is None else first
-            scores, media, baselines = _train(config, run_id, store, groups, tracker, lease, start)
+            guard = RunGuard.resume(store, run_id, config, start)
+            guard.retune(groups)  # a run that rolled back goes on with its rollback's seed and rates
+            scores, media, baselines = _train(config, run_id, store, groups, tracker, lease, guard, start)
             lease.check()  # a run that lost its run id exports nothing
             card = {"teacher": config.model.teacher, "recipe": recipe, "run_id": run_id,
                     "rollouts": config.train.rollouts, "scores": scores}
@@ -224,8 +225,9 @@ def _recover_or_raise(config: DistillConfig, run_id: str, store: ArtifactStore, 
 
 
 def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Groups, tracker: RunTracker,
-           lease: RunLease, start: int):
-    """Rollouts from `start` to the target, with checkpoints and evaluations on their intervals.
+           lease: RunLease, guard: RunGuard, start: int):
+    """Rollouts from `start` to the target, with checkpoints and evaluations on their intervals, under the
+    collapse guard: a rule that trips sends the run back to its last sound checkpoint, or stops it.
 
     Returns the last evaluation's (scores, media ref, baselines); the baselines are scored once, at the end.
     """
@@ -236,18 +238,25 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
             tracker.log_media(name, picture.numpy(), step=0)
     evaluation = None
     with progress_bar(total, f"distill {run_id}", initial=start, unit="rollout") as bar, rollouts_without_heartbeat():
-        for rollout_id in range(start, total):
+        rollout_id = start
+        while rollout_id < total:
             metrics = rollout_flow(run_id, rollout_id)
             lease.check()  # still this run's id (renewed in the background), before it logs or writes more
             tracker.queue_metrics(rollout_id, train_metric_names(metrics))  # sent every few seconds
             store.prune(run_id, keep_last=train.keep_rollouts)  # the next rollout reads none of them
             done = rollout_id + 1
+            if (trip := guard.observe(rollout_id, metrics, last=done == total)) is not None:
+                rollout_id = guard.recover(trip, groups, tracker)  # or CollapseError: nothing is exported
+                bar.n = rollout_id
+                continue
             if _due(done, train.save_interval, total):
                 tracker.flush()  # every rollout a checkpoint covers is in MLflow: a resume replays none of them
+                guard.checkpointing(done)
                 checkpoint(run_id, done)
             if _due(done, train.eval_interval, total):  # always after the last rollout
                 evaluation = _evaluate(run_id, store, tracker, step=rollout_id, final=done == total)
             bar.update(1)
+            rollout_id = done
     if evaluation is None:  # resumed from the last checkpoint: score the restored student once more
         evaluation = _evaluate(run_id, store, tracker, step=total - 1, final=True)
     return evaluation.scores, evaluation.media, evaluation.baselines

@@ -7,6 +7,7 @@ the exported student (`student/`) and each evaluation picture (`<name>.png`) of 
 
 import dataclasses
 import json
+import re
 import shutil
 import tempfile
 import uuid
@@ -19,6 +20,12 @@ import numpy as np
 from dmd2.files import atomic_file
 from infra.store import ArtifactRef, ArtifactStore
 from infra.tracking import RunTracker
+
+
+def artifact_key(name: str) -> str:
+    """`name` as a Prefect artifact key (lowercase letters, digits and dashes)."""
+    return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+
 
 RESULT_NAME = "result.json"
 

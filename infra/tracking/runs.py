@@ -138,6 +138,11 @@ class RunTracker:
         if self._queued and (now - self._sent_at >= self.batch_seconds or len(self._queued) >= MAX_BATCH_METRICS):
             self.flush()
 
+    def relog_from(self, step: int) -> None:
+        """The rollouts from `step` on run again (the collapse guard rolled the run back): log their new points
+        beside the old ones instead of skipping them as a resume's replay."""
+        self._logged = {(key, logged) for key, logged in self._logged if logged < step or key.startswith(IMAGE_PREFIX)}
+
     def flush(self) -> None:
         """Send the queued metrics (MLflow takes up to 1000 in a request); a failed request keeps its batch."""
         while self._queued:

@@ -275,6 +275,10 @@ class TrainerGroup:
         """Load a checkpoint of this role on every rank; returns the linked checkpoints' refs per rank."""
         return self._each("load", checkpoint)
 
+    def retune(self, seed: int, lr_factor: float) -> list[None]:
+        """Every rank draws its rollouts from `seed` and trains at `lr_factor` x the recipe's learning rates."""
+        return self._each("retune", seed, lr_factor)
+
     def evaluate(self, run_id: str, step: int, with_baselines: bool = False) -> EvalResult:
         """The family's evaluation of the group's model, run on rank 0 (every rank takes part)."""
         return self._each("evaluate", run_id, step, with_baselines)[0]

@@ -14,7 +14,7 @@ import faulthandler
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -137,6 +137,7 @@ class RankWorker(StudentOutputs):
         # The optimizer is built over the sharded parameters under FSDP; DDP's wrapper comes with `wake`.
         self.state = train_state(self._module, self.trainer.lr, config, family.velocity,
                                  self.trainer.ema_decay, self.trainer.steps_per_rollout)
+        self._recipe_lrs = list(self.state.scheduler.base_lrs)  # what `retune` scales
         if self.world_size > 1:  # every rank's loss and grad norm: a non-finite step stops all ranks alike
             self.state.gather = gather_rows(self._objects)
         self._wrap()
@@ -266,6 +267,16 @@ class RankWorker(StudentOutputs):
         if self._sleeping.parked:
             self._sleeping.restore()
             self._wrap()
+
+    def retune(self, seed: int, lr_factor: float) -> None:
+        """Draw the rollouts from `seed` and train at `lr_factor` x the recipe's learning rates, on the schedule's
+        current step: the collapse guard's recovery after loading a checkpoint (`flows/collapse.py`). Absolute,
+        not relative: a checkpoint saved after a rollback already holds scaled rates, and retuning it is a no-op."""
+        self.spec = replace(self.spec, config=self.spec.config.replace("train", seed=seed))
+        scheduler = self.state.scheduler
+        scheduler.base_lrs = [lr * lr_factor for lr in self._recipe_lrs]
+        for group, base, factor in zip(self.state.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * factor(scheduler.last_epoch)
 
     def device_memory(self) -> int:
         """Bytes the rank's tensors occupy on its accelerator now (0 on CPU)."""
