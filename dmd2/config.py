@@ -16,11 +16,7 @@ from typing import Any
 
 from dmd2.guard_config import GuardConfig
 from dmd2.config_rules import (CRITIC_SCORING_MODES, LOSS_SPACES, LOSS_TYPES, PARALLELISMS,  # noqa: F401
-                               PLACEMENT_STRATEGIES, PRECISIONS, SIGMA_SAMPLINGS, ConfigError, validate)
-
-
-def option(default: Any, doc: str) -> Any:
-    return field(default=default, metadata={"doc": doc})
+                               PLACEMENT_STRATEGIES, PRECISIONS, SIGMA_SAMPLINGS, ConfigError, option, validate)
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,17 @@ runs them (dmd2/critic.py, dmd2/precision.py, dmd2/scoring.py, which import them
 is validated without importing torch: a refused recipe costs no heavy import (flows/preflight.py).
 """
 
-from typing import TYPE_CHECKING
+from dataclasses import field
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dmd2.config import DistillConfig
+
+
+def option(default: Any, doc: str) -> Any:
+    """A recipe option: its default and its doc (the option reference page is generated from the docs)."""
+    return field(default=default, metadata={"doc": doc})
+
 
 LOSS_TYPES = ("dmd2", "flow_matching")
 LOSS_SPACES = ("velocity", "x0")  # [dmd2] critic_loss_space

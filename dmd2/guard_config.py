@@ -1,15 +1,10 @@
 """`[guard]`: the collapse guard's rules and recovery (dmd2/guard.py), torch-free so a recipe validates cheaply."""
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from dmd2.config_rules import ConfigError
+from dmd2.config_rules import ConfigError, option
 
 ON_COLLAPSE = ("rollback", "stop")
-
-
-def option(default: Any, doc: str) -> Any:
-    return field(default=default, metadata={"doc": doc})
 
 
 @dataclass(frozen=True)
