@@ -1,7 +1,8 @@
 """Sequence parallelism (infra/trainers/sequence.py): a tiny Wan transformer whose tokens two ranks split (two real
 processes joined by gloo on CPU, diffusers' Ulysses attention) computes the whole model's output, and the optimizer
 step's gradients (the loss scaled as `dmd2.optim.optimizer_step` scales it, then averaged over the ranks as DDP and
-FSDP2 average) are the whole model's, alone and with FSDP2 sharding the parameters over the same two ranks."""
+FSDP2 average) are the whole model's, alone, with FSDP2 sharding the parameters over the same two ranks, and with
+activation checkpointing besides (the recomputed blocks' all-to-alls run again in backward)."""
 
 from datetime import timedelta
 from pathlib import Path
@@ -15,7 +16,8 @@ from infra.trainers.parallel import fsdp
 from infra.trainers.sequence import data_rank, sequence_mesh, sequence_rank, split_sequence
 from tests.dmd2.families.wan.tiny_pipeline import TEXT_DIM, tiny_wan_transformer
 
-PARALLELS = ("ddp", "fsdp")
+# name -> ([train] parallel, activation checkpointing: each block's forward, all-to-alls included, run again in backward)
+LAYOUTS = {"ddp": ("ddp", False), "fsdp": ("fsdp", False), "fsdp-checkpointed": ("fsdp", True)}
 LATENTS = (2, 4, 3, 4, 6)  # batch, channels, latent frames, height, width: 3 x 2 x 3 = 18 tokens per sample
 
 
@@ -44,9 +46,11 @@ def _rank(rank: int, root: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root / 'init'}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     try:
-        for parallel in PARALLELS:
+        for name, (parallel, checkpointed) in LAYOUTS.items():
             train = TrainConfig(world_size=2, sequence_parallel=2, parallel=parallel, rollout_batch_size=2)
             model = split_sequence(tiny_wan_transformer(), sequence_mesh(train, "cpu"))
+            if checkpointed:
+                model.enable_gradient_checkpointing()
             tokens = []
             model.blocks[0].register_forward_hook(lambda module, args, out: tokens.append(out.shape[1]))
             if parallel == "fsdp":
@@ -60,28 +64,28 @@ def _rank(rank: int, root: Path) -> None:
                     gradient /= 2
             torch.save({"loss": loss.detach(), "output": output, "gradients": gradients, "tokens": tokens,
                         "ranks": (data_rank(rank, train), sequence_rank(rank, train))},
-                       root / f"{parallel}-{rank}.pt")
+                       root / f"{name}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # two spawned ranks, each importing diffusers: ~25 s
+@pytest.mark.slow  # two spawned ranks, each importing diffusers: ~35 s
 def test_two_ranks_splitting_the_tokens_give_the_whole_models_output_and_gradients(tmp_path):
     torch.multiprocessing.start_processes(_rank, args=(tmp_path,), nprocs=2, start_method="spawn")
     model = tiny_wan_transformer()
     loss, output = loss_and_output(model)
     loss.backward()
     expected = whole_gradients(model)
-    for parallel in PARALLELS:
+    for name in LAYOUTS:
         for rank in (0, 1):
-            got = torch.load(tmp_path / f"{parallel}-{rank}.pt")
+            got = torch.load(tmp_path / f"{name}-{rank}.pt")
             assert got["ranks"] == (0, rank)
             assert got["tokens"] == [18 // 2]  # each rank's blocks saw half of every sample's tokens
             assert torch.allclose(got["loss"], loss.detach(), atol=1e-6)
             assert (got["output"] - output).abs().max() <= 1e-5
             assert got["gradients"].keys() == expected.keys()
-            for name, gradient in expected.items():
-                assert (got["gradients"][name] - gradient).abs().max() <= 1e-5, (parallel, name)
+            for key, gradient in expected.items():
+                assert (got["gradients"][key] - gradient).abs().max() <= 1e-5, (name, key)
 
 
 # -- two rollouts of the Wan family's groups (Ray ranks, gloo): sequence parallelism changes nothing ------------------
