@@ -12,6 +12,12 @@ rollouts have set the baseline, each tripping only after its condition held `pat
     grad_spike       student gradient norm > grad_ratio x the window's median
     clipped_steps    more than max_clipped_fraction of the window's student steps clipped
 
+and, at each evaluation of the weights after `step` rollouts (tripping at once: evaluations are few),
+
+    eval_diversity   eval/diversity_ratio < eval_diversity_ratio (the families whose evaluation reports it)
+    eval_distance    the family's gate distance > eval_distance_ratio x the run's best so far, and worse than its
+                     first evaluation's (a distance near 0, e.g. an unbiased KID, makes ratios alone jumpy)
+
 A rollout's signals measure the weights it started from, i.e. the checkpoint of its step. So when a rule trips
 with its condition first seen at rollout `onset`, every checkpoint of step >= onset holds collapsing weights, and
 a checkpoint taken while any condition held is suspect; the run goes back to the newest sound one before onset.
@@ -77,6 +83,7 @@ class CollapseGuard:
     grad_clip: float = 0.0
     rows: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     onsets: dict[str, int] = field(default_factory=dict)  # rule -> first rollout of its current streak
+    distances: list[tuple[int, float]] = field(default_factory=list)  # (step, gate distance) of each evaluation
 
     def conditions(self, metrics: dict[str, float]) -> dict[str, str]:
         """The rules whose condition holds for these metrics against the history, with their figures."""
@@ -117,6 +124,25 @@ class CollapseGuard:
                 return Trip(rule, rollout_id, onset, held[rule])
         return None
 
+    def judge(self, step: int, scores: dict[str, float], gate: str | None) -> Trip | None:
+        """The evaluation of the weights after `step` rollouts (`scores`; `gate`: the family's distance to the
+        teacher, lower is closer): a trip of an evaluation rule, whose onset is `step` (those weights), or None."""
+        cfg, ratio = self.config, scores.get("eval/diversity_ratio")
+        if cfg.enabled and cfg.eval_diversity_ratio > 0 and ratio is not None and ratio < cfg.eval_diversity_ratio:
+            return Trip("eval_diversity", step - 1, step,
+                        f"eval/diversity_ratio {ratio:.3g} < {cfg.eval_diversity_ratio:g}")
+        if gate not in scores:
+            return None
+        distance = scores[gate]
+        if cfg.enabled and cfg.eval_distance_ratio > 0 and self.distances:
+            best, first = min(d for _, d in self.distances), self.distances[0][1]
+            if distance > cfg.eval_distance_ratio * best and distance > first:
+                return Trip("eval_distance", step - 1, step,
+                            f"{gate} {distance:.4g} is above {cfg.eval_distance_ratio:g} x the run's best {best:.4g} "
+                            f"and above its first evaluation's {first:.4g}")
+        self.distances.append((step, distance))
+        return None
+
     @property
     def tripping(self) -> bool:
         """Whether a rule's condition holds now: a checkpoint taken now is suspect."""
@@ -132,6 +158,7 @@ class CollapseGuard:
     def rewind(self, step: int) -> None:
         """Forget the rollouts from `step` on (the run goes back to its checkpoint of `step`)."""
         self.rows = [(rollout, values) for rollout, values in self.rows if rollout < step]
+        self.distances = [(evaluated, distance) for evaluated, distance in self.distances if evaluated <= step]
         self.onsets = {}
 
 

@@ -1,13 +1,14 @@
 """The collapse guard in the distill flow (its signals and rules: dmd2/guard.py; RELIABILITY.md, "Collapse").
 
-The flow hands the guard each rollout's metrics. Before each checkpoint is taken, the guard's record
-`<run_id>/guard.json` in the store is rewritten: the signals so far, which checkpoints were taken while a rule's
-condition held (suspect), and each trip and what the run did; so a resumed run (a new process, new groups after a
-lost rank) goes on with them. When a rule trips, the run loads the newest sound checkpoint before the rule's onset;
-the checkpoints after it move to the store's quarantine (kept for a look, never resumed from); every rank draws its
-rollouts from a new seed at `[guard] lr_scale` x its learning rates, and the rollouts from there run again. With
-`on_collapse = "stop"`, past `max_rollbacks`, or with no sound checkpoint to go back to, `CollapseError` stops the
-run before anything is exported or registered. Each trip is an MLflow tag and metric and a Prefect artifact.
+The flow hands the guard each rollout's metrics and each evaluation's scores. Before each checkpoint is taken, the
+guard's record `<run_id>/guard.json` in the store is rewritten: the signals and distances so far, which checkpoints
+were taken while a rule's condition held (suspect), and each trip and what the run did; so a resumed run (a new
+process, new groups after a lost rank) goes on with them. When a rule trips, the run loads the newest sound
+checkpoint before the rule's onset; the checkpoints after it move to the store's quarantine (kept for a look, never
+resumed from); every rank draws its rollouts from a new seed at `[guard] lr_scale` x its learning rates, and the
+rollouts from there run again. With `on_collapse = "stop"`, past `max_rollbacks`, or with no sound checkpoint to go
+back to, `CollapseError` stops the run before anything is exported or registered. Each trip is an MLflow tag and
+metric and a Prefect artifact.
 """
 
 from dataclasses import dataclass, field
@@ -34,19 +35,22 @@ class RunGuard:
     run_id: str
     config: DistillConfig
     guard: CollapseGuard
+    gate: str | None = None  # the family's distance to the teacher, which the `eval_distance` rule watches
     suspects: dict[int, bool] = field(default_factory=dict)  # checkpoint step -> taken while a condition held
     events: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def resume(cls, store: ArtifactStore, run_id: str, config: DistillConfig, start: int) -> "RunGuard":
+    def resume(cls, store: ArtifactStore, run_id: str, config: DistillConfig, start: int,
+               gate: str | None = None) -> "RunGuard":
         """The guard of a run going on from its checkpoint of `start` (0: a new run): what the record says up to
         there. A rule's streak starts over (its condition is checked afresh from `start`)."""
         record = store.find_json(f"{run_id}/{GUARD_RECORD}") or {}
         guard = CollapseGuard(config.guard, config.optim.grad_clip,
-                              rows=[(rollout, values) for rollout, values in record.get("rows", [])])
+                              rows=[(rollout, values) for rollout, values in record.get("rows", [])],
+                              distances=[(step, distance) for step, distance in record.get("distances", [])])
         guard.rewind(start)
         suspects = {int(step): suspect for step, suspect in record.get("suspects", {}).items() if int(step) <= start}
-        return cls(store, run_id, config, guard, suspects, record.get("events", []))
+        return cls(store, run_id, config, guard, gate, suspects, record.get("events", []))
 
     @property
     def rollbacks(self) -> int:
@@ -66,6 +70,12 @@ class RunGuard:
         all is a trip: the student it would export is suspect."""
         trip = self.guard.observe(rollout_id, metrics)
         return self.guard.pending(rollout_id) if trip is None and last else trip
+
+    def judge(self, step: int, scores: dict[str, float]) -> Trip | None:
+        """The evaluation of the weights after `step` rollouts: a trip of an evaluation rule, or None."""
+        trip = self.guard.judge(step, scores, self.gate)
+        self._save()
+        return trip
 
     def checkpointing(self, step: int) -> None:
         """Record that the checkpoint of `step` is being taken (suspect if a rule's condition holds), before it is:
@@ -117,4 +127,5 @@ class RunGuard:
     def _save(self) -> None:
         self.store.put_json(f"{self.run_id}/{GUARD_RECORD}", {
             "rows": [[rollout, values] for rollout, values in self.guard.rows],
+            "distances": [[step, distance] for step, distance in self.guard.distances],
             "suspects": {str(step): suspect for step, suspect in self.suspects.items()}, "events": self.events})

@@ -147,7 +147,8 @@ def _lineage_artifact(family: ModelFamily, run_id: str, result: RunResult, track
         f"- registered model version: `{registered or 'not registered ([registry] register = false)'}`",
         f"- store prefix: `{store_prefix}`; exported student: `{result.student.uri}`",
         *(f"- {name}: `{path}`" for name, path in sorted(result.pictures.items()))])
-    create_markdown_artifact(markdown, key=artifact_key(f"distill-{run_id}"), description=f"eval table and lineage of distill run {run_id}")
+    create_markdown_artifact(markdown, key=artifact_key(f"distill-{run_id}"),
+                             description=f"eval table and lineage of distill run {run_id}")
 
 
 def _register(config: DistillConfig, family: ModelFamily, run_id: str, result: RunResult,
@@ -187,7 +188,7 @@ def _run(config: DistillConfig, family: ModelFamily, run_id: str, store: Artifac
             runtime.register(run_id, groups)
             start = resume(groups, store, run_id)
             first = start if first is None else first
-            guard = RunGuard.resume(store, run_id, config, start)
+            guard = RunGuard.resume(store, run_id, config, start, family.gate_metric)
             guard.retune(groups)  # a run that rolled back goes on with its rollback's seed and rates
             scores, media, baselines = _train(config, run_id, store, groups, tracker, lease, guard, start)
             lease.check()  # a run that lost its run id exports nothing
@@ -245,16 +246,18 @@ def _train(config: DistillConfig, run_id: str, store: ArtifactStore, groups: Gro
             tracker.queue_metrics(rollout_id, train_metric_names(metrics))  # sent every few seconds
             store.prune(run_id, keep_last=train.keep_rollouts)  # the next rollout reads none of them
             done = rollout_id + 1
-            if (trip := guard.observe(rollout_id, metrics, last=done == total)) is not None:
-                rollout_id = guard.recover(trip, groups, tracker)  # or CollapseError: nothing is exported
-                bar.n = rollout_id
-                continue
-            if _due(done, train.save_interval, total):
+            trip = guard.observe(rollout_id, metrics, last=done == total)
+            if trip is None and _due(done, train.save_interval, total):
                 tracker.flush()  # every rollout a checkpoint covers is in MLflow: a resume replays none of them
                 guard.checkpointing(done)
                 checkpoint(run_id, done)
-            if _due(done, train.eval_interval, total):  # always after the last rollout
+            if trip is None and _due(done, train.eval_interval, total):  # always after the last rollout
                 evaluation = _evaluate(run_id, store, tracker, step=rollout_id, final=done == total)
+                trip = guard.judge(done, evaluation.scores)
+            if trip is not None:
+                rollout_id = guard.recover(trip, groups, tracker)  # or CollapseError: nothing is exported
+                bar.n = rollout_id
+                continue
             bar.update(1)
             rollout_id = done
     if evaluation is None:  # resumed from the last checkpoint: score the restored student once more

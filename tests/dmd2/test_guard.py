@@ -67,11 +67,30 @@ def test_rollback_goes_to_the_newest_sound_checkpoint_before_the_onset():
     assert rollback_step({0: True}, trip) is None
 
 
+def test_an_evaluation_trips_on_lost_diversity_or_a_distance_far_past_the_runs_best():
+    guard = CollapseGuard(GuardConfig(eval_diversity_ratio=0.5, eval_distance_ratio=3.0))
+    assert guard.judge(10, {"eval/diversity_ratio": 0.9}, gate=None) is None
+    trip = guard.judge(20, {"eval/diversity_ratio": 0.3}, gate=None)
+    assert (trip.rule, trip.onset, trip.rollout) == ("eval_diversity", 20, 19)  # onset: the weights after 20 rollouts
+    # the gate distance: the first evaluation 10, the best 3; 9.5 is over 3 x 3 but under the first: no trip
+    for step, distance in ((10, 10.0), (20, 4.0), (30, 3.0), (40, 5.0), (50, 9.5)):
+        assert guard.judge(step, {"eval/fd_teacher": distance}, gate="eval/fd_teacher") is None, step
+    trip = guard.judge(60, {"eval/fd_teacher": 11.0}, gate="eval/fd_teacher")
+    assert (trip.rule, trip.onset) == ("eval_distance", 60) and "best 3" in trip.figures
+    guard.rewind(20)  # back to the checkpoint of step 20: the later evaluations are forgotten
+    assert guard.distances == [(10, 10.0), (20, 4.0)]
+    off = CollapseGuard(GuardConfig(eval_diversity_ratio=0, eval_distance_ratio=0))
+    assert off.judge(10, {"eval/diversity_ratio": 0.0, "eval/d": 1.0}, "eval/d") is None
+    assert off.judge(20, {"eval/d": 100.0}, "eval/d") is None
+
+
 def test_bad_guard_options_are_refused_naming_them():
     with pytest.raises(ConfigError, match=r"\[guard\] on_collapse"):
         GuardConfig(on_collapse="ignore")
     with pytest.raises(ConfigError, match=r"\[guard\] lr_scale"):
         GuardConfig(lr_scale=0)
+    with pytest.raises(ConfigError, match=r"\[guard\] eval_distance_ratio"):
+        GuardConfig(eval_distance_ratio=0.5)
 
 
 def _config(rollouts: int, **guard) -> DistillConfig:
