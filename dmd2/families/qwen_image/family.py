@@ -89,9 +89,14 @@ class QwenImageFamily(PipelineFamily):
         from dmd2.families.qwen_image.published import PUBLISHED
         from dmd2.model import architecture, on_meta
 
-        if path in PUBLISHED:
-            return on_meta(QwenImageTransformer2DModel, PUBLISHED[path][0], dtype)
-        return architecture(path, dtype, subfolder="transformer")
+        model = on_meta(QwenImageTransformer2DModel, PUBLISHED[path][0], dtype) if path in PUBLISHED \
+            else architecture(path, dtype, subfolder="transformer")
+        # Its RoPE tables are plain tensors, not buffers (complex numbers): built on the meta device they would stay
+        # there, since neither `to_empty` nor a state dict restores them, so they are made again on the host.
+        rope = model.pos_embed
+        with torch.device("cpu"):
+            model.pos_embed = type(rope)(theta=rope.theta, axes_dim=rope.axes_dim, scale_rope=rope.scale_rope)
+        return model
 
     def plan_spec(self, config: DistillConfig) -> RunSpec:
         """One stand-in prompt (memory does not depend on which prompts), no prompt file read."""
