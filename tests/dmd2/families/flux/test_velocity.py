@@ -57,3 +57,21 @@ def test_the_velocity_is_the_pipelines_transformer_call(flux_dir, flux_pipe):
         teacher = guided(velocity, 4.0, negative_indices(2))(latents, sigma, prompt_indices(torch.tensor([0, 1])))
         assert torch.allclose(teacher, pipeline_call(4.0), atol=1e-6)
         assert (teacher - v).abs().max() > 1e-4  # the guidance input matters
+
+
+def test_the_guidance_input_is_kept_through_the_precision_and_host_wrappers(flux_pipe):
+    """How a rank and an evaluator call the teacher (`Autocast`, `HostCalls` around the family's velocity): the guided
+    teacher is still the guidance input at the scale, computed under autocast, not CFG around the wrappers."""
+    from dmd2.model import HostCalls
+    from dmd2.precision import Autocast
+
+    with torch.no_grad():
+        embeds, pooled, _ = flux_pipe.encode_prompt(PROMPTS[:2], max_sequence_length=TOKENS)
+    tables = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "negative_prompt_embeds": embeds[:1],
+              "negative_pooled_prompt_embeds": pooled[:1]}
+    x, sigma, cond = torch.randn(2, 4, 8, 8), torch.tensor([0.9, 0.4]), prompt_indices(torch.tensor([1, 0]))
+    student = FluxFamily(guidance=2.5).bind({"prompts": tables}).velocity(flux_pipe.transformer)
+    at_scale = FluxFamily(guidance=4.0).bind({"prompts": tables}).velocity(flux_pipe.transformer)
+    with torch.no_grad():
+        teacher = guided(HostCalls(Autocast(student, "cpu"), torch.device("cpu")), 4.0, negative_indices(2))
+        assert torch.equal(teacher(x, sigma, cond), Autocast(at_scale, "cpu")(x, sigma, cond))
