@@ -193,6 +193,8 @@ def export_student(family: Any, student: nn.Module, config: Any, out_dir: Path, 
     scheduler = family.export_scheduler(config)
     check_sigmas_grid(scheduler, num_steps, shift)
     note = (f"the scheduler (`stochastic_sampling`, a fixed `shift` {shift:.6g} of the pipeline's sigmas "
-            f"linspace(1, 1/{num_steps}, {num_steps})) gives exactly that grid at {num_steps} steps, at any resolution.")
+            f"linspace(1, 1/{num_steps}, {num_steps})) gives exactly that grid at {num_steps} steps, at any "
+            "resolution.")
+    text = family.card_text(config)
     return export_pipeline(teacher_dir, index, student, scheduler, out_dir,
-                           lambda lora: model_card(family.card_text(config), teacher_dir, num_steps, shift, note, card, lora))
+                           lambda lora: model_card(text, teacher_dir, num_steps, shift, note, card, lora))

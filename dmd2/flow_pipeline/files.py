@@ -69,8 +69,8 @@ def scheduler_config(path: str | Path, family: str) -> dict[str, Any]:
     config = read_json(config_path, f"[model] teacher {path}")
     found = config.get("_class_name")
     if found != SCHEDULER_CLASS:
-        raise ValueError(f"[model] teacher {path}: its scheduler ({config_path}) is {found!r}; DMD2 on {family} needs a "
-                         f"flow-matching teacher with {SCHEDULER_CLASS} (velocity prediction, sigma in [0, 1])")
+        raise ValueError(f"[model] teacher {path}: its scheduler ({config_path}) is {found!r}; DMD2 on {family} "
+                         f"needs a flow-matching teacher with {SCHEDULER_CLASS} (velocity prediction, sigma in [0, 1])")
     prediction = config.get("prediction_type")
     if prediction is not None and prediction not in VELOCITY_PREDICTIONS:
         raise ValueError(f"[model] teacher {path}: {config_path} has prediction_type {prediction!r}; the teacher "

@@ -1,6 +1,6 @@
-"""What the picture evaluators of pipeline families read pictures with: a feature model (`[eval] feature_model`) and the CLIP score
-(`[eval] clip_model`), each through the model's own preprocessing (its transformers image processor), given
-pictures as a pipeline outputs them (uint8 RGB, `to_uint8`).
+"""What the pipeline families' picture evaluators read pictures with: a feature model (`[eval] feature_model`) and
+the CLIP score (`[eval] clip_model`), each through the model's own preprocessing (its transformers image processor),
+given pictures as a pipeline outputs them (uint8 RGB, `to_uint8`).
 
 A feature model is a transformers CLIPModel (its projected image embeddings, `get_image_features`), another vision
 model such as DINOv2 (its pooled CLS token), or a built-in judge another family offers through the registry

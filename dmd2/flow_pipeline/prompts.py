@@ -42,7 +42,8 @@ def encode_rows(encode: Encode, prompts: list[str], negative_prompt: str, names:
         raise ValueError("[data] prompts: no prompt to encode; give at least one")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    batches = [encode(prompts[i * batch_size:(i + 1) * batch_size]) for i in range(math.ceil(len(prompts) / batch_size))]
+    batches = [encode(prompts[i * batch_size:(i + 1) * batch_size])
+               for i in range(math.ceil(len(prompts) / batch_size))]
     negative = encode([negative_prompt])
     table = {name: torch.cat([batch[k] for batch in batches]) for k, name in enumerate(names)}
     return table | {f"negative_{name}": negative[k] for k, name in enumerate(names)}

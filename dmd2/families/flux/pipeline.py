@@ -46,12 +46,12 @@ def latent_shape(teacher: str, resolution: int) -> tuple[int, int, int]:
     channels, factor = vae["latent_channels"], files.vae_scale_factor(vae["block_out_channels"])
     if transformer["in_channels"] != PACK * PACK * channels:
         raise ValueError(f"[model] teacher {teacher}: transformer/config.json has in_channels "
-                         f"{transformer['in_channels']}, not 4 x the VAE's latent_channels {channels} (FLUX packs 2 x 2 "
-                         "latent cells per token); the transformer and the VAE must come from the same pipeline")
+                         f"{transformer['in_channels']}, not 4 x the VAE's latent_channels {channels} (FLUX packs "
+                         "2 x 2 latent cells per token); the transformer and the VAE must come from the same pipeline")
     multiple = factor * PACK
     if resolution <= 0 or resolution % multiple:
-        nearest = " or ".join(str(r) for r in (resolution // multiple * multiple, (resolution // multiple + 1) * multiple)
-                              if r > 0)
+        lower = resolution // multiple * multiple
+        nearest = " or ".join(str(r) for r in (lower, lower + multiple) if r > 0)
         raise ValueError(f"[data] resolution {resolution} is not a multiple of {multiple} (vae scale factor {factor} x "
                          f"the 2 x 2 packing of {teacher}); use {nearest}")
     return channels, resolution // factor, resolution // factor

@@ -33,7 +33,8 @@ class FluxVelocity:
 
     def __call__(self, x_s: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         if set(cond) != {INDEX_KEY}:
-            raise ValueError(f"FluxVelocity takes the conditioning {{{INDEX_KEY!r}: [B] int64}}, got keys {sorted(cond)}")
+            raise ValueError(f"FluxVelocity takes the conditioning {{{INDEX_KEY!r}: [B] int64}}, got keys "
+                             f"{sorted(cond)}")
         text = {key: value.to(device=x_s.device, dtype=x_s.dtype)
                 for key, value in self.table.cond(cond[INDEX_KEY]).items()}
         batch, _, height, width = x_s.shape

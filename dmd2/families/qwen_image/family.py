@@ -105,6 +105,6 @@ class QwenImageFamily(PipelineFamily):
     def plan_bind(self, config: DistillConfig, device: torch.device | str) -> "QwenImageFamily":
         """A table of one zero prompt of `[data] max_sequence_length` tokens of the text width, in host memory."""
         width = pipeline._configs(config.model.teacher)[0]["joint_attention_dim"]
-        embeds, mask = torch.zeros(1, config.data.max_sequence_length, width), torch.ones(1, config.data.max_sequence_length,
-                                                                                        dtype=torch.long)
+        tokens = config.data.max_sequence_length
+        embeds, mask = torch.zeros(1, tokens, width), torch.ones(1, tokens, dtype=torch.long)
         return dataclasses.replace(self, table=QwenPromptTable(embeds, mask, embeds.clone(), mask.clone()))

@@ -57,8 +57,8 @@ def latent_shape(teacher: str, resolution: int) -> tuple[int, int, int]:
                          "the transformer and the VAE must come from the same pipeline")
     multiple = factor * PACK
     if resolution <= 0 or resolution % multiple:
-        nearest = " or ".join(str(r) for r in (resolution // multiple * multiple, (resolution // multiple + 1) * multiple)
-                              if r > 0)
+        lower = resolution // multiple * multiple
+        nearest = " or ".join(str(r) for r in (lower, lower + multiple) if r > 0)
         raise ValueError(f"[data] resolution {resolution} is not a multiple of {multiple} (vae scale factor {factor} x "
                          f"the 2 x 2 patches of {teacher}); use {nearest}")
     return channels, resolution // factor, resolution // factor
