@@ -75,3 +75,21 @@ def test_the_guidance_input_is_kept_through_the_precision_and_host_wrappers(flux
     with torch.no_grad():
         teacher = guided(HostCalls(Autocast(student, "cpu"), torch.device("cpu")), 4.0, negative_indices(2))
         assert torch.equal(teacher(x, sigma, cond), Autocast(at_scale, "cpu")(x, sigma, cond))
+
+
+
+def test_a_transformer_without_the_guidance_input_is_guided_by_plain_cfg(flux_pipe):
+    """FLUX.1 [schnell]'s layout (no `guidance_embeds`): the guided teacher is CFG over the negative prompt."""
+    from dmd2.families.flux.velocity import FluxVelocity
+    from dmd2.flow_pipeline.prompts import PromptTable
+    from dmd2.schedule import cfg
+    from tests.dmd2.families.flux.tiny_pipeline import tiny_flux_transformer
+
+    with torch.no_grad():
+        embeds, pooled, _ = flux_pipe.encode_prompt(PROMPTS, max_sequence_length=TOKENS)
+    table = PromptTable(embeds[:2], pooled[:2], embeds[2:], pooled[2:])  # the negative prompt: the third
+    velocity = FluxVelocity(tiny_flux_transformer(guidance_embeds=False), table, guidance=3.5)
+    x, sigma, cond = torch.randn(2, 4, 8, 8), torch.tensor([0.9, 0.4]), prompt_indices(torch.tensor([1, 0]))
+    with torch.no_grad():
+        expected = cfg(velocity(x, sigma, cond), velocity(x, sigma, negative_indices(2)), 3.0)
+        torch.testing.assert_close(guided(velocity, 3.0, negative_indices(2))(x, sigma, cond), expected)

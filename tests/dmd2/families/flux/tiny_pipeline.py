@@ -25,11 +25,13 @@ SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base
 SCALING_FACTOR, SHIFT_FACTOR = 0.3611, 0.1159  # FLUX.1's VAE
 
 
-def tiny_flux_transformer(seed: int = 0) -> FluxTransformer2DModel:
+def tiny_flux_transformer(seed: int = 0, guidance_embeds: bool = True) -> FluxTransformer2DModel:
+    """FLUX.1 [dev]'s layout (the guidance input); `guidance_embeds=False`: FLUX.1 [schnell]'s."""
     torch.manual_seed(seed)
     return FluxTransformer2DModel(patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=1, num_single_layers=1,
                                   attention_head_dim=8, num_attention_heads=2, joint_attention_dim=TEXT_WIDTH,
-                                  pooled_projection_dim=CLIP_WIDTH, guidance_embeds=True, axes_dims_rope=(2, 2, 4))
+                                  pooled_projection_dim=CLIP_WIDTH, guidance_embeds=guidance_embeds,
+                                  axes_dims_rope=(2, 2, 4))
 
 
 def build_tiny_flux_pipeline(path: str | Path, seed: int = 0) -> Path:
