@@ -87,6 +87,10 @@ class DMD2Config:
     critic_steps_per_rollout: int = option(5, "K: critic updates per generator update (two time-scale rule).")
     actor_steps_per_rollout: int = option(1, "Generator updates per rollout; DMD2 takes exactly 1.")
     teacher_guidance_scale: float = option(4.5, "CFG of the teacher's real score (>= 1).")
+    teacher_true_cfg_scale: float = option(
+        1.0, "The flux family only: true CFG over [data] negative_prompt on top of the guidance input of the teacher's "
+        "real score (FluxPipeline's `true_cfg_scale`; >= 1, 1: none)."
+    )
     score_sigma_range: tuple[float, float] = option(
         (0.02, 0.98), "Unshifted sigma range of the scored samples (tianweiy/DMD2's 2-98%)."
     )

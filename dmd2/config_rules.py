@@ -156,6 +156,8 @@ def _validate_dmd2(config: "DistillConfig") -> None:
                                        "hub id, builtin:digits or builtin:digits-sd3")
     _check(dmd2.teacher_guidance_scale >= 1,
            f"[dmd2] teacher_guidance_scale must be >= 1 (1 = unguided), got {dmd2.teacher_guidance_scale}")
+    _check(dmd2.teacher_true_cfg_scale >= 1,
+           f"[dmd2] teacher_true_cfg_scale must be >= 1 (1 = none), got {dmd2.teacher_true_cfg_scale}")
     low, high = dmd2.score_sigma_range
     _check(0 <= low < high <= 1, f"[dmd2] score_sigma_range must satisfy 0 <= min < max <= 1, got {(low, high)}")
     weights, steps = dmd2.stop_weights, config.student.num_steps

@@ -68,6 +68,7 @@ class Registration:
 FAMILY_OPTIONS = {
     "[train] sequence_parallel": (1, "its model cannot split its tokens over ranks"),  # diffusers' `_cp_plan`
     "[student] expert": ("", "its teacher has no experts to choose from"),  # Wan 2.2 A14B's two
+    "[dmd2] teacher_true_cfg_scale": (1.0, "its teacher's guidance is CFG already ([dmd2] teacher_guidance_scale)"),
 }
 
 
@@ -78,7 +79,8 @@ FAMILIES = {
                         "dmd2.families.sd3.commands:COMMANDS"),
     "wan": Registration("dmd2.families.wan.family:WanFamily", "dmd2.families.wan.checks",
                         reads=("[train] sequence_parallel", "[student] expert")),
-    "flux": Registration("dmd2.families.flux.family:FluxFamily", "dmd2.families.flux.checks"),
+    "flux": Registration("dmd2.families.flux.family:FluxFamily", "dmd2.families.flux.checks",
+                         reads=("[dmd2] teacher_true_cfg_scale",)),
     "qwen_image": Registration("dmd2.families.qwen_image.family:QwenImageFamily", "dmd2.families.qwen_image.checks"),
 }
 
@@ -325,7 +327,7 @@ def check_family(name: str, config: DistillConfig) -> None:
     does not read."""
     for key, (unset, lacking) in FAMILY_OPTIONS.items():
         section, option = key[1:].split("] ")
-        value = getattr(getattr(config, section), option)
+        value = getattr(getattr(config, section), option, unset)  # an absent section ([dmd2]) sets nothing
         if value != unset and key not in _registration(name).reads:
             able = sorted(family for family, registration in FAMILIES.items() if key in registration.reads)
             raise ConfigError(f"{key} = {value!r}: not read by the {name} family, {lacking} (families that read it: "

@@ -6,8 +6,9 @@ What FLUX states: the teacher's time shift at the run's resolution is the pipeli
 follow the resolution as FluxPipeline's do; prompts are encoded by its CLIP and T5 (`encode_prompt`: T5's tokens and
 CLIP's pooled vector); the transformer is called as the pipeline calls it (dmd2/families/flux/velocity.py). FLUX.1
 [dev] is guidance-distilled: `[dmd2] teacher_guidance_scale` is its guidance input, the teacher's real score has no
-negative branch, and the student keeps that input at the same value (it starts as the teacher at that guidance; its
-export is called with `guidance_scale` = it).
+negative branch (unless `[dmd2] teacher_true_cfg_scale` > 1 adds FluxPipeline's true CFG on top), and the student
+keeps that input at the same value (it starts as the teacher at that guidance; its export is called with
+`guidance_scale` = it).
 """
 
 import dataclasses
@@ -34,6 +35,10 @@ def _guidance(config: DistillConfig) -> float:
     return config.dmd2.teacher_guidance_scale if config.dmd2 is not None else DEFAULT_GUIDANCE
 
 
+def _true_cfg(config: DistillConfig) -> float:
+    return config.dmd2.teacher_true_cfg_scale if config.dmd2 is not None else 1.0
+
+
 @dataclass(frozen=True)
 class FluxFamily(PipelineFamily):
     name = "flux"
@@ -42,6 +47,7 @@ class FluxFamily(PipelineFamily):
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # the double and single blocks' attention
     table: PromptTable | None = None
     guidance: float = DEFAULT_GUIDANCE  # the guidance input of every model call (run_spec: the recipe's)
+    true_cfg: float = 1.0  # the teacher's true CFG on top of its guidance input (run_spec: the recipe's)
 
     def teacher_shift(self, teacher: str, resolution: int) -> float:
         return pipeline.teacher_shift(teacher, resolution)
@@ -54,7 +60,8 @@ class FluxFamily(PipelineFamily):
 
     def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
         spec = super().run_spec(config, cache_dir)
-        return dataclasses.replace(spec, family=dataclasses.replace(self, guidance=_guidance(config)))
+        bound = dataclasses.replace(self, guidance=_guidance(config), true_cfg=_true_cfg(config))
+        return dataclasses.replace(spec, family=bound)
 
     def encode_prompts(self, pipe: Any, prompts: list[str], negative_prompt: str,
                        max_sequence_length: int) -> dict[str, Tensor]:
@@ -71,7 +78,7 @@ class FluxFamily(PipelineFamily):
 
         if self.table is None:
             raise RuntimeError("the flux family calls models through its prompt table: bind the prepared inputs first")
-        return FluxVelocity(model, self.table, self.guidance)
+        return FluxVelocity(model, self.table, self.guidance, self.true_cfg)
 
     def card_text(self, config: DistillConfig) -> CardText:
         guidance = _guidance(config)
@@ -101,7 +108,7 @@ class FluxFamily(PipelineFamily):
 
     def plan_spec(self, config: DistillConfig) -> RunSpec:
         """One stand-in prompt (memory does not depend on which prompts), no prompt file read."""
-        family = dataclasses.replace(self, guidance=_guidance(config))
+        family = dataclasses.replace(self, guidance=_guidance(config), true_cfg=_true_cfg(config))
         return RunSpec(config, family, self.sample_shape(config.model.teacher, config), PromptIndices(1), "")
 
     def plan_bind(self, config: DistillConfig, device: torch.device | str) -> "FluxFamily":

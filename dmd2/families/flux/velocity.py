@@ -25,10 +25,10 @@ def image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype)
 class FluxVelocity:
     """v(x_s, sigma, {"prompt_index": [B]}) of a FluxTransformer2DModel through a prompt table
     (dmd2/flow_pipeline/prompts.py `PromptTable`: T5's tokens and CLIP's pooled vector), at the guidance input
-    `guidance` (used only when the model embeds guidance)."""
+    `guidance` (used only when the model embeds guidance); `true_cfg`: the guided teacher's true CFG on top."""
 
-    def __init__(self, model: nn.Module, table, guidance: float):
-        self.model, self.table, self.guidance = model, table, guidance
+    def __init__(self, model: nn.Module, table, guidance: float, true_cfg: float = 1.0):
+        self.model, self.table, self.guidance, self.true_cfg = model, table, guidance, true_cfg
         self.embeds_guidance = bool(getattr(model, "module", model).config.guidance_embeds)
 
     def __call__(self, x_s: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
@@ -49,7 +49,10 @@ class FluxVelocity:
 
     def guided(self, scale: float, neg_cond: Cond) -> VelocityFn:
         """The teacher's guided velocity (`dmd2.model.guided`): FLUX.1 [dev] takes the scale as its guidance input,
-        with no negative branch; a model without the input (FLUX.1 [schnell]) gets plain CFG."""
-        if self.embeds_guidance:
-            return FluxVelocity(self.model, self.table, scale)
-        return guided(lambda x_s, sigma, cond: self(x_s, sigma, cond), scale, neg_cond)
+        with no negative branch unless `true_cfg` > 1 adds CFG over `neg_cond` on top; a model without the input
+        (FLUX.1 [schnell]) gets plain CFG at the scale."""
+        if not self.embeds_guidance:
+            return guided(lambda x_s, sigma, cond: self(x_s, sigma, cond), scale, neg_cond)
+        at_scale = FluxVelocity(self.model, self.table, scale)
+        # FluxPipeline's true CFG (`true_cfg_scale` with a negative prompt): both branches at the guidance input
+        return guided(lambda x_s, sigma, cond: at_scale(x_s, sigma, cond), self.true_cfg, neg_cond)

@@ -1,6 +1,7 @@
 """The flux family's model call against FluxPipeline's own: the prompt table is the pipeline's `encode_prompt`, and the
 velocity is the pipeline's transformer call on its own packed latents, ids, timestep (sigma) and guidance input."""
 
+import pytest
 import torch
 
 from dmd2.config import config_from_dict
@@ -93,3 +94,39 @@ def test_a_transformer_without_the_guidance_input_is_guided_by_plain_cfg(flux_pi
     with torch.no_grad():
         expected = cfg(velocity(x, sigma, cond), velocity(x, sigma, negative_indices(2)), 3.0)
         torch.testing.assert_close(guided(velocity, 3.0, negative_indices(2))(x, sigma, cond), expected)
+
+
+def test_true_cfg_on_top_of_the_guidance_input_is_the_pipelines(flux_dir, flux_pipe, tmp_path):
+    """`[dmd2] teacher_true_cfg_scale`: FluxPipeline's true CFG (both branches at the guidance input, the negative
+    prompt's on the negative branch), bound by the family from the recipe; the other families refuse the option."""
+    from dmd2.config import ConfigError
+    from dmd2.family import check_family
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+    recipe = {"model": {"teacher": str(flux_dir)}, "data": {"prompts": str(prompts), "resolution": 16},
+              "dmd2": {"teacher_guidance_scale": 3.0, "teacher_true_cfg_scale": 2.0}}
+    config = FluxFamily().resolve(config_from_dict(recipe), tmp_path)
+    check_family("flux", config)
+    with pytest.raises(ConfigError, match=r"teacher_true_cfg_scale = 2\.0: not read by the sd3 family"):
+        check_family("sd3", config)
+    with torch.no_grad():
+        embeds, pooled, text_ids = flux_pipe.encode_prompt(PROMPTS, max_sequence_length=TOKENS)
+    tables = {"prompt_embeds": embeds[:2], "pooled_prompt_embeds": pooled[:2], "negative_prompt_embeds": embeds[2:],
+              "negative_pooled_prompt_embeds": pooled[2:]}
+    family = FluxFamily().run_spec(config, tmp_path).family.bind({"prompts": tables})
+    packed, image_ids = flux_pipe.prepare_latents(1, 4, 16, 16, embeds.dtype, "cpu", torch.Generator().manual_seed(0))
+    latents, sigma = flux_pipe._unpack_latents(packed, 16, 16, flux_pipe.vae_scale_factor), torch.tensor([0.6])
+
+    def pipeline_call(row: int) -> torch.Tensor:  # FluxPipeline.__call__'s, at guidance_scale 3
+        return flux_pipe.transformer(hidden_states=packed, timestep=sigma, guidance=torch.full([1], 3.0),
+                                     pooled_projections=pooled[row:row + 1], encoder_hidden_states=embeds[row:row + 1],
+                                     txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
+
+    with torch.no_grad():
+        noise_pred, neg_noise_pred = pipeline_call(1), pipeline_call(2)
+        expected = neg_noise_pred + 2.0 * (noise_pred - neg_noise_pred)  # true_cfg_scale 2, negative prompt: row 2
+        teacher = guided(family.velocity(flux_pipe.transformer), 3.0, negative_indices(1))
+        got = teacher(latents, sigma, prompt_indices(torch.tensor([1])))
+    torch.testing.assert_close(got, flux_pipe._unpack_latents(expected, 16, 16, flux_pipe.vae_scale_factor),
+                               atol=1e-5, rtol=0)
