@@ -14,6 +14,7 @@ alone (`save_peft_adapter`, or a family's own format such as diffusers' LoRA fil
 """
 
 import copy
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -33,15 +34,31 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, targets: tuple[str, 
     """
     from peft import LoraConfig
     from peft.functional import inject_adapter_in_model
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
     if not targets:
         raise ValueError("[student] lora_rank > 0, but the model family names no LoRA target layers "
                          "(ModelFamily.lora_targets): set lora_rank = 0 (full fine-tuning)")
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=True)
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):  # the global RNG stays as it was (peft draws from it)
+    # A model on fake tensors (`dmd2 plan`'s rehearsal) gets its adapters on meta (real meta tensors, which peft
+    # leaves where they are), then fake ones where the base layers are: peft would move fake adapters there, a move
+    # swaps tensors, and a fake tensor refuses to be swapped.
+    on_fake = any(is_fake(p) for p in model.parameters())
+    with torch.random.fork_rng(devices=devices), ExitStack() as made:  # the global RNG stays as it was (peft draws)
+        if on_fake:
+            made.enter_context(unset_fake_temporarily())
+            made.enter_context(torch.device("meta"))
         torch.manual_seed(seed)
-        return inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        model = inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    if on_fake:
+        base = next(p for p in model.parameters() if p.device.type != "meta")
+        for module in model.modules():
+            if any(p.device.type == "meta" for p in module.parameters(recurse=False)):
+                with unset_fake_temporarily():
+                    module.to(dtype=base.dtype)  # as peft casts adapters to their base layer's dtype
+                module.to_empty(device=base.device, recurse=False)
+    return model
 
 
 def with_role_adapters(model: nn.Module, config: DistillConfig, role: str, targets: tuple[str, ...]) -> nn.Module:

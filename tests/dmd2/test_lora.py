@@ -149,3 +149,22 @@ def test_the_digits_export_holds_the_merged_unet_and_its_adapter_in_peft_format(
     assert (out(with_adapter) - out(exported)).abs().max() < 1e-5
     assert (out(teacher) - out(exported)).abs().max() > 1e-2
     assert "alpha 8" in (tmp_path / "student" / "README.md").read_text()
+
+
+def test_a_model_on_fake_tensors_gets_the_adapters_a_real_one_gets():
+    """`dmd2 plan` rehearses a LoRA student on fake tensors: its adapters have the real model's names, shapes,
+    dtypes and trainable flags (peft's own move of adapters to their base layers would fail on fake tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    real = add_adapters(tiny_unet().to(torch.bfloat16), 4, 4.0, TARGETS, seed=0)
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.bfloat16)  # a bf16 base, built in place: a fake model cannot be cast
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = add_adapters(tiny_unet(), 4, 4.0, TARGETS, seed=0)
+    finally:
+        torch.set_default_dtype(default)
+    described = [{name: (p.shape, p.dtype, p.requires_grad) for name, p in model.named_parameters()}
+                 for model in (real, fake)]
+    assert described[0] == described[1] and any("lora_A" in name for name in described[0])
+    assert all(is_fake(p) for p in fake.parameters())
