@@ -122,3 +122,24 @@ def components_fingerprint(pipeline_dir: str | Path, index: dict[str, Any], name
             relative = file.relative_to(pipeline_dir).as_posix()
             digest.update(json.dumps([relative, file.stat().st_size, file_sha256(file)]).encode())
     return digest.hexdigest()
+
+
+PACK = 2  # 2 x 2 latent cells per token
+
+
+def packed_latent_shape(teacher: str, resolution: int, channels: int, factor: int, in_channels: int,
+                        channels_name: str) -> tuple[int, int, int]:
+    """The latent shape [C, H / f, W / f] of a square `resolution` image (f: the VAE's `factor`, C its `channels`,
+    named `channels_name` in its config), checked against packing: the transformer's `in_channels` must be 4 C and
+    the resolution a multiple of 2 f."""
+    if in_channels != PACK * PACK * channels:
+        raise ValueError(f"[model] teacher {teacher}: transformer/config.json has in_channels {in_channels}, not 4 x "
+                         f"the VAE's {channels_name} {channels} (2 x 2 latent cells are packed per token); the "
+                         "transformer and the VAE must come from the same pipeline")
+    multiple = factor * PACK
+    if resolution <= 0 or resolution % multiple:
+        lower = resolution // multiple * multiple
+        nearest = " or ".join(str(r) for r in (lower, lower + multiple) if r > 0)
+        raise ValueError(f"[data] resolution {resolution} is not a multiple of {multiple} (vae scale factor {factor} x "
+                         f"the 2 x 2 packing of {teacher}); use {nearest}")
+    return channels, resolution // factor, resolution // factor

@@ -2,7 +2,6 @@
 (`_pack_latents` / `_unpack_latents` of both, diffusers 0.42): the algorithm keeps latents [B, C, H, W], and a
 family's velocity packs them for the model and unpacks its output."""
 
-import torch
 from torch import Tensor
 
 

@@ -21,7 +21,6 @@ from dmd2.flow_pipeline import files
 from dmd2.pipeline_files import read_json
 
 PIPELINE_CLASSES = ("FluxPipeline",)
-PACK = 2  # FluxPipeline packs 2 x 2 latent cells into one token
 
 
 def check_flux_pipeline(path: str | Path) -> dict[str, Any]:
@@ -43,24 +42,14 @@ def latent_shape(teacher: str, resolution: int) -> tuple[int, int, int]:
     """The latent shape [C, H / f, W / f] of a square `resolution` image (f: the VAE's factor); the resolution must be
     a multiple of 2 f (the packing), and the transformer's in_channels 4 C."""
     transformer, vae, _ = _configs(teacher)
-    channels, factor = vae["latent_channels"], files.vae_scale_factor(vae["block_out_channels"])
-    if transformer["in_channels"] != PACK * PACK * channels:
-        raise ValueError(f"[model] teacher {teacher}: transformer/config.json has in_channels "
-                         f"{transformer['in_channels']}, not 4 x the VAE's latent_channels {channels} (FLUX packs "
-                         "2 x 2 latent cells per token); the transformer and the VAE must come from the same pipeline")
-    multiple = factor * PACK
-    if resolution <= 0 or resolution % multiple:
-        lower = resolution // multiple * multiple
-        nearest = " or ".join(str(r) for r in (lower, lower + multiple) if r > 0)
-        raise ValueError(f"[data] resolution {resolution} is not a multiple of {multiple} (vae scale factor {factor} x "
-                         f"the 2 x 2 packing of {teacher}); use {nearest}")
-    return channels, resolution // factor, resolution // factor
+    return files.packed_latent_shape(teacher, resolution, vae["latent_channels"], files.vae_scale_factor(
+        vae["block_out_channels"]), transformer["in_channels"], "latent_channels")
 
 
 def image_tokens(teacher: str, resolution: int) -> int:
     """The packed image's token count at `resolution`: FluxPipeline's `image_seq_len`."""
     _, height, width = latent_shape(teacher, resolution)
-    return (height // PACK) * (width // PACK)
+    return (height // files.PACK) * (width // files.PACK)
 
 
 def teacher_shift(teacher: str, resolution: int) -> float:

@@ -23,7 +23,6 @@ from dmd2.flow_pipeline import files
 from dmd2.pipeline_files import read_json
 
 PIPELINE_CLASSES = ("QwenImagePipeline",)
-PACK = 2  # the transformer's 2 x 2 patches, packed by the pipeline
 
 
 def check_qwen_image_pipeline(path: str | Path) -> dict[str, Any]:
@@ -50,18 +49,8 @@ def latent_shape(teacher: str, resolution: int) -> tuple[int, int, int]:
     """The latent shape [C, H / f, W / f] of a square `resolution` image (C: the VAE's z_dim; the one frame of its
     video VAE dropped); the resolution must be a multiple of 2 f, the transformer's in_channels 4 C."""
     transformer, vae, _ = _configs(teacher)
-    channels, factor = vae["z_dim"], vae_factor(vae)
-    if transformer["in_channels"] != PACK * PACK * channels:
-        raise ValueError(f"[model] teacher {teacher}: transformer/config.json has in_channels "
-                         f"{transformer['in_channels']}, not 4 x the VAE's z_dim {channels} (2 x 2 patches packed); "
-                         "the transformer and the VAE must come from the same pipeline")
-    multiple = factor * PACK
-    if resolution <= 0 or resolution % multiple:
-        lower = resolution // multiple * multiple
-        nearest = " or ".join(str(r) for r in (lower, lower + multiple) if r > 0)
-        raise ValueError(f"[data] resolution {resolution} is not a multiple of {multiple} (vae scale factor {factor} x "
-                         f"the 2 x 2 patches of {teacher}); use {nearest}")
-    return channels, resolution // factor, resolution // factor
+    return files.packed_latent_shape(teacher, resolution, vae["z_dim"], vae_factor(vae), transformer["in_channels"],
+                                     "z_dim")
 
 
 def teacher_shift(teacher: str, resolution: int) -> float:
@@ -70,7 +59,7 @@ def teacher_shift(teacher: str, resolution: int) -> float:
     _, _, scheduler = _configs(teacher)
     _, height, width = latent_shape(teacher, resolution)
     if scheduler.get("use_dynamic_shifting"):
-        return files.dynamic_shift(scheduler, (height // PACK) * (width // PACK))
+        return files.dynamic_shift(scheduler, (height // files.PACK) * (width // files.PACK))
     return float(scheduler.get("shift", 1.0))
 
 
