@@ -48,8 +48,9 @@ def stage_rows(result: dict, variant: dict, sleeps: bool) -> list[dict]:
 def _cell(value, kind: str) -> str:
     if value is None:
         return "n/a"
-    formats = {"s": "{:.3f}", "tflop": "{:.4g}", "mfu": "{:.1%}", "gib": "{:.4g}", "ratio": "{:.3f}"}
-    scale = {"tflop": 1e12, "gib": GiB}.get(kind, 1)
+    # MFU to 3 significant figures: a tiny CPU check's 0.006% must not print as a 0.0% that reads as nothing done
+    formats = {"s": "{:.3f}", "tflop": "{:.4g}", "mfu": "{:.3g}%", "gib": "{:.4g}", "ratio": "{:.3f}"}
+    scale = {"tflop": 1e12, "gib": GiB, "mfu": 1e-2}.get(kind, 1)
     return formats[kind].format(value / scale)
 
 

@@ -90,7 +90,7 @@ def test_the_json_holds_each_stage_as_measured_and_the_plan(tiny_check):
         measured, flops = figures["rollouts"]["0"], figures["plan"]["flops"]
         for stage in ("critic-train", "actor-train"):
             mfu = flops[stage] / measured[stage]["compute_s"] / 1e12  # --peak-tflops 1
-            assert rows[variant][stage][3] == f"{mfu:.1%}", (variant, stage)
+            assert rows[variant][stage][3] == f"{mfu * 100:.3g}%", (variant, stage)
             assert measured[stage]["wall_s"] >= measured[stage]["compute_s"] > 0  # CPU: compute is the host clock
         assert measured["rollout_wall_s"] >= sum(measured[stage]["wall_s"] for stage in STAGES)
 
