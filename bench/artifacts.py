@@ -37,7 +37,7 @@ import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
 from infra.store import ArtifactStore  # noqa: E402
-from infra.store.digest import sha256_hex  # noqa: E402
+from infra.store.io import sha256_hex  # noqa: E402
 
 MB = 2**20
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from dmd2.config import ConfigError, DistillConfig, config_to_dict
 from flows.recipe import check_run_id
 from infra.store import ArtifactStore
-from infra.store.digest import file_sha256
+from infra.store.io import file_sha256
 
 SERIES_PREFIX = "_series"
 # What a scheduled run may change without starting a new run: its length, cadence and placement.

@@ -1,10 +1,9 @@
 """The artifact store: where tasks put tensors, JSON and directories, and the references to them.
 
 Tasks hand each other ``ArtifactRef``s (``keys``), never tensors. ``ArtifactStore`` (``artifacts``) writes
-atomically (``local``, ``s3``), checks every read against the plain sha256 it wrote (``digest``), parses only
-safetensors and JSON below validated keys, leaves retries to botocore and turns what still fails into errors
-naming the settings to check (``faults``), and quarantines a damaged checkpoint rather than delete it.
-``RunLease`` (``lease``) keeps one run per run id.
+atomically (``local``, ``s3``), checks every read against the plain sha256 it wrote (``io``), turns what still
+fails after botocore's retries into errors naming the settings to check (``faults``), and quarantines a damaged
+checkpoint rather than delete it. ``RunLease`` (``lease``) keeps one run per run id.
 """
 
 from infra.store.artifacts import ArtifactStore

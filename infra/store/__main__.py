@@ -3,7 +3,7 @@ it (the digest, two spaces, the path)."""
 
 import argparse
 
-from infra.store.digest import file_sha256
+from infra.store.io import file_sha256
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,11 +17,11 @@ import torch
 from safetensors import SafetensorError
 
 from infra.store import keys as store_keys
-from infra.store.digest import file_sha256, legacy_sha256, sha256_hex, verify
 from infra.store.faults import ArtifactExistsError, IntegrityError, StoreError
-from infra.store.io import absent_is_none, file_chunks, hidden_sibling, list_local_files
-from infra.store.keys import (CHECKPOINTS_DIR, MANIFEST_NAME, QUARANTINE_DIR, ArtifactRef, Checkpoint, ManifestEntry,
-                              checked_int, validate_key, validate_name)
+from infra.store.io import (absent_is_none, file_chunks, file_sha256, hidden_sibling, legacy_sha256, list_local_files,
+                            sha256_hex, verify)
+from infra.store.keys import (CHECKPOINTS_DIR, MANIFEST_NAME, QUARANTINE_DIR, STEP_DIR, ArtifactRef, Checkpoint,
+                              ManifestEntry, checked_int, number_in, validate_key, validate_name)
 from infra.store.local import LocalBackend
 from infra.store.s3 import S3Backend
 
@@ -68,11 +68,8 @@ class ArtifactStore:
         self.retry_mode = retry_mode
         self.max_attempts = checked_int(max_attempts, "max_attempts", minimum=1)  # the first attempt counts
         self._backend = open_backend(root_uri, retry_mode, max_attempts)
-
-    @property
-    def root_uri(self) -> str:
-        """The canonical root: ``file:///abs/folder`` or ``s3://bucket[/prefix]``, no trailing /."""
-        return self._backend.root_uri
+        # The canonical root: file:///abs/folder or s3://bucket[/prefix], no trailing /.
+        self.root_uri = self._backend.root_uri
 
     def __repr__(self) -> str:
         return f"ArtifactStore({self.root_uri!r})"
@@ -81,7 +78,6 @@ class ArtifactStore:
         return type(self), (self.root_uri, self.retry_mode, self.max_attempts)
 
     def uri(self, key: str) -> str:
-        """The URI that ``key`` has in this store."""
         return self._backend.uri_of(validate_key(key))
 
     @contextmanager
@@ -105,19 +101,16 @@ class ArtifactStore:
         validate_key(key)
         return self._put(key, _safetensors_bytes(key, tensors), "tensors", durable)
 
-    def get_tensors(self, ref: ArtifactRef, device: str = "cpu") -> dict[str, torch.Tensor]:
-        """The tensors of ``ref``, parsed into private memory from the very bytes whose sha256 was checked."""
-        data = self._get(ref, "tensors")
+    def get_tensors(self, ref: ArtifactRef) -> dict[str, torch.Tensor]:
+        """The tensors of ``ref`` in private CPU memory, parsed from the very bytes whose sha256 was checked."""
         try:
-            tensors = safetensors.torch.load(data)
+            return safetensors.torch.load(self._get(ref, "tensors"))
         except SafetensorError as exc:
             raise ValueError(f"{ref.uri} is not a safetensors file: {exc}") from exc
-        return tensors if device == "cpu" else {name: t.to(device) for name, t in tensors.items()}
 
     def put_json(self, key: str, obj: Any) -> ArtifactRef:
         """Store ``obj`` as JSON at ``key`` (sorted keys; NaN/Infinity as Python's json writes)."""
-        validate_key(key)
-        return self._put(key, json.dumps(obj, sort_keys=True).encode("utf-8"), "json")
+        return self._put(validate_key(key), json.dumps(obj, sort_keys=True).encode("utf-8"), "json")
 
     def get_json(self, ref: ArtifactRef) -> Any:
         return json.loads(self._get(ref, "json").decode("utf-8"))
@@ -278,15 +271,14 @@ class ArtifactStore:
 
     def list_checkpoints(self, run_id: str) -> list[int]:
         """Steps of the run's complete checkpoints (those with a manifest), ascending."""
-        prefix = store_keys.checkpoints_prefix(run_id)
-        steps = self._numbered_dirs(prefix, store_keys.parse_step_dir)
-        with self._faults(prefix):
-            return [step for step in steps if self._backend.exists(f"{prefix}/{step}/{MANIFEST_NAME}")]
+        prefix = f"{validate_name(run_id, 'run id')}/{CHECKPOINTS_DIR}"
+        return [step for step in self._numbered_dirs(prefix, STEP_DIR)
+                if self._read_if_present(f"{prefix}/{step}/{MANIFEST_NAME}") is not None]
 
     def latest_checkpoint(self, run_id: str) -> Checkpoint | None:
         """The run's newest complete checkpoint (with a readable manifest), or None."""
-        prefix = store_keys.checkpoints_prefix(run_id)
-        for step in reversed(self._numbered_dirs(prefix, store_keys.parse_step_dir)):
+        prefix = f"{validate_name(run_id, 'run id')}/{CHECKPOINTS_DIR}"
+        for step in reversed(self._numbered_dirs(prefix, STEP_DIR)):
             if (ref := self.find_dir(f"{prefix}/{step}")) is not None:
                 return Checkpoint(step, ref)
         return None
@@ -321,13 +313,13 @@ class ArtifactStore:
             for folder in self._backend.list_dirs(run_id):
                 if folder == CHECKPOINTS_DIR or folder.startswith(f"{CHECKPOINTS_DIR}_"):
                     for name in self._backend.list_dirs(f"{run_id}/{folder}"):
-                        if store_keys.parse_step_dir(name, parts=True) == step:
+                        if number_in(name, store_keys.STEP_OR_PART_DIR) == step:
                             self._backend.move_tree(f"{run_id}/{folder}/{name}", f"{target}/{folder}/{name}")
         return self._backend.uri_of(target)
 
     def list_rollouts(self, run_id: str) -> list[int]:
         """Numbers of the run's ``rollout-<n>`` folders, ascending."""
-        return self._numbered_dirs(validate_name(run_id, "run id"), store_keys.parse_rollout_dir)
+        return self._numbered_dirs(validate_name(run_id, "run id"), store_keys.ROLLOUT_DIR)
 
     def prune(self, run_id: str, keep_last: int) -> list[int]:
         """Delete the run's rollout folders but the ``keep_last`` newest, and what killed writers left (file://
@@ -342,9 +334,9 @@ class ArtifactStore:
                 logger.warning("deleted %s, left by a writer that died", path)
         return doomed
 
-    def _numbered_dirs(self, prefix: str, parse: Callable[[str], int | None]) -> list[int]:
+    def _numbered_dirs(self, prefix: str, pattern) -> list[int]:
         with self._faults(prefix):
-            numbers = (parse(name) for name in self._backend.list_dirs(prefix))
+            numbers = (number_in(name, pattern) for name in self._backend.list_dirs(prefix))
             return sorted(n for n in numbers if n is not None)
 
     def _key_of(self, ref: ArtifactRef, kind: str) -> str:
@@ -353,10 +345,9 @@ class ArtifactStore:
             raise TypeError(f"expected an ArtifactRef, got {type(ref).__name__}")
         if ref.kind != kind:
             raise ValueError(f"{ref.uri} is a {ref.kind!r} artifact, not {kind!r}")
-        root = self.root_uri + "/"
-        if not ref.uri.startswith(root):
-            raise ValueError(f"{store_keys.shown(ref.uri)} is not under this store's root {root}")
-        return validate_key(ref.uri[len(root):])
+        if not ref.uri.startswith(self.root_uri + "/"):
+            raise ValueError(f"{store_keys.shown(ref.uri)} is not under this store's root {self.root_uri}/")
+        return validate_key(ref.uri[len(self.root_uri) + 1:])
 
 
 def _safetensors_bytes(key: str, tensors: Mapping[str, torch.Tensor]) -> bytes:

@@ -1,6 +1,11 @@
 """What a local folder and S3 do alike, through one fsspec code path (read, copy out hashing, list, delete,
-move); how writes become visible, and conditional writes, are ``local.py``'s and ``s3.py``'s. Also the staging
-names of writes in progress and the walk of a folder to be stored."""
+move); how writes become visible, and conditional writes, are ``local.py``'s and ``s3.py``'s. Also the digests,
+the staging names of writes in progress and the walk of a folder to be stored.
+
+Every object is checked against the plain sha256 of its bytes, what ``sha256sum`` prints. Stores written before
+manifest format v2 hold a piece-wise digest instead (sha256 of the concatenated sha256s of the object's 1 MiB
+pieces); it is computed only when the plain one does not match, so they still verify.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +20,14 @@ from typing import TypeVar
 
 from fsspec import AbstractFileSystem
 
-from infra.store.faults import client_error_code, describe
+from infra.store.faults import IntegrityError, client_error_code, describe
 from infra.store.keys import MANIFEST_NAME, validate_key
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 # Large enough that requests are few on S3, small enough that a copy holds little memory.
 BLOCK_BYTES = 8 * 2**20
+LEGACY_PIECE_BYTES = 2**20
 _STAGING_NAME = re.compile(r"\..+\.(tmp|partial)-[0-9a-f]{12}")
 
 
@@ -47,10 +53,6 @@ class Backend:
         """Copy the object at ``key`` into the new local file ``dest``; (sha256, size) of what was copied."""
         with self.fs.open(self.path(key), "rb", block_size=BLOCK_BYTES) as src, open(dest, "xb") as out:
             return write_hashing(iter(lambda: src.read(BLOCK_BYTES), b""), out)
-
-    def exists(self, key: str) -> bool:
-        """True if an object (not a folder) is stored at ``key``."""
-        return bool(absent_is_none(lambda: self.fs.info(self.path(key))["type"] == "file"))
 
     def list_dirs(self, key: str) -> list[str]:
         """Names of the visible sub-folders of ``key`` (none if it does not exist)."""
@@ -102,9 +104,37 @@ def write_hashing(chunks: Iterable[bytes], out) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def file_chunks(path: str | os.PathLike) -> Iterable[bytes]:
+def file_chunks(path: str | os.PathLike, size: int = BLOCK_BYTES) -> Iterable[bytes]:
     with open(path, "rb") as file:
-        yield from iter(lambda: file.read(BLOCK_BYTES), b"")
+        yield from iter(lambda: file.read(size), b"")
+
+
+def sha256_hex(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def legacy_sha256(data: bytes | bytearray | memoryview) -> str:
+    view = memoryview(data).cast("B")
+    return _legacy_of(view[at : at + LEGACY_PIECE_BYTES] for at in range(0, len(view), LEGACY_PIECE_BYTES))
+
+
+def file_sha256(path: str | os.PathLike, legacy: bool = False) -> str:
+    """The plain (or ``legacy``) digest of a local file, read in pieces."""
+    if legacy:
+        return _legacy_of(file_chunks(path, LEGACY_PIECE_BYTES))
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def _legacy_of(pieces: Iterable[bytes | memoryview]) -> str:
+    return hashlib.sha256(b"".join(hashlib.sha256(piece).digest() for piece in pieces)).hexdigest()
+
+
+def verify(uri: str, expected: str, actual: str, legacy: Callable[[], str], detail: str = "") -> None:
+    """``IntegrityError`` unless ``actual`` (the plain sha256) or, for an older store's object, ``legacy()`` is
+    the ``expected`` digest."""
+    if actual != expected and legacy() != expected:
+        raise IntegrityError(uri, expected, actual, detail)
 
 
 def hidden_sibling(path: str, tag: str) -> str:

@@ -8,7 +8,8 @@ names (leading ``.``). Layout::
     <root>/<run_id>/checkpoints/<step>/...            (a directory with MANIFEST.json)
     <root>/<run_id>/checkpoints/<step>-rank-<r>/...   (rank r's part of it, when rank r holds shards)
     <root>/<run_id>/quarantine/<step>-<time>/...      (a damaged checkpoint, moved aside, never deleted)
-    <root>/<run_id>/lease.json                        (who runs the run now: ``infra.store.lease``)
+    <root>/<run_id>/lease.json                        (who runs the run now: ``infra.store.lease``; a file, so
+                                                       listings of rollouts and checkpoints never see it)
 """
 
 from __future__ import annotations
@@ -21,17 +22,14 @@ from typing import Any
 
 MANIFEST_NAME = "MANIFEST.json"
 # v2: entries hold the plain sha256 of each file; v1 (older stores, still read) a piece-wise one.
-MANIFEST_FORMAT = "dmd2-flows/manifest-v2"
-MANIFEST_FORMATS = (MANIFEST_FORMAT, "dmd2-flows/manifest-v1")
+MANIFEST_FORMATS = ("dmd2-flows/manifest-v2", "dmd2-flows/manifest-v1")
 CHECKPOINTS_DIR = "checkpoints"
 QUARANTINE_DIR = "quarantine"
-# A file, not a folder: listings of rollouts and checkpoints (and so ``prune``) see only folders.
-LEASE_NAME = "lease.json"
 KINDS = ("tensors", "json", "dir")
-
+ROLLOUT_DIR = re.compile(r"rollout-(0|[1-9][0-9]*)")
+STEP_DIR = re.compile(r"(0|[1-9][0-9]*)")
+STEP_OR_PART_DIR = re.compile(r"(0|[1-9][0-9]*)(-rank-[0-9]+)?")
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
-_ROLLOUT_DIR_RE = re.compile(r"rollout-(0|[1-9][0-9]*)")
-_STEP_DIR_RE = re.compile(r"(0|[1-9][0-9]*)(-rank-[0-9]+)?")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
@@ -48,8 +46,10 @@ def checked_int(value: object, what: str, minimum: int = 0) -> int:
     return value
 
 
-def is_sha256(value: object) -> bool:
-    return isinstance(value, str) and _SHA256_RE.fullmatch(value) is not None
+def checked_sha256(value: object, what: str) -> str:
+    if not isinstance(value, str) or not _SHA256_RE.fullmatch(value):
+        raise ValueError(f"{what} must be 64 lowercase hex digits, got {shown(value)}")
+    return value
 
 
 def validate_name(name: object, what: str = "name") -> str:
@@ -79,12 +79,8 @@ def rollout_key(run_id: str, rollout: int, task: str, rank: int) -> str:
     return f"{rollout_prefix(run_id, rollout)}/{task}/rank-{checked_int(rank, 'rank')}.safetensors"
 
 
-def checkpoints_prefix(run_id: str) -> str:
-    return f"{validate_name(run_id, 'run id')}/{CHECKPOINTS_DIR}"
-
-
 def checkpoint_key(run_id: str, step: int) -> str:
-    return f"{checkpoints_prefix(run_id)}/{checked_int(step, 'step')}"
+    return f"{validate_name(run_id, 'run id')}/{CHECKPOINTS_DIR}/{checked_int(step, 'step')}"
 
 
 def part_key(key: str, rank: int) -> str:
@@ -92,21 +88,11 @@ def part_key(key: str, rank: int) -> str:
     return f"{key}-rank-{checked_int(rank, 'rank')}"
 
 
-def lease_key(run_id: str) -> str:
-    return f"{validate_name(run_id, 'run id')}/{LEASE_NAME}"
-
-
-def parse_rollout_dir(name: str) -> int | None:
-    """The rollout number of a folder named ``rollout-<n>``, or None for any other name."""
-    match = _ROLLOUT_DIR_RE.fullmatch(name)
+def number_in(name: str, pattern: re.Pattern) -> int | None:
+    """The number of a folder named as ``pattern`` (``ROLLOUT_DIR``, ``STEP_DIR``...), or None for any other
+    name (staging folders, strays)."""
+    match = pattern.fullmatch(name)
     return int(match.group(1)) if match else None
-
-
-def parse_step_dir(name: str, parts: bool = False) -> int | None:
-    """The step of a checkpoint folder ``<step>`` (with ``parts``, also of a rank's part ``<step>-rank-<r>``),
-    or None (staging folders, strays)."""
-    match = _STEP_DIR_RE.fullmatch(name)
-    return int(match.group(1)) if match and (parts or not match.group(2)) else None
 
 
 @dataclass(frozen=True)
@@ -123,8 +109,7 @@ class ArtifactRef:
     def __post_init__(self) -> None:
         if not isinstance(self.uri, str) or "://" not in self.uri:
             raise ValueError(f"ArtifactRef.uri must be a URI string, got {type(self.uri).__name__}")
-        if not is_sha256(self.sha256):
-            raise ValueError("ArtifactRef.sha256 must be 64 lowercase hex digits")
+        checked_sha256(self.sha256, "ArtifactRef.sha256")
         checked_int(self.nbytes, "ArtifactRef.nbytes")
         if self.kind not in KINDS:
             raise ValueError(f"ArtifactRef.kind must be one of {KINDS}, got {self.kind!r}")
@@ -168,14 +153,13 @@ class ManifestEntry:
     def __post_init__(self) -> None:
         validate_key(self.path)
         checked_int(self.nbytes, "nbytes")
-        if not is_sha256(self.sha256):
-            raise ValueError(f"bad sha256 {shown(self.sha256)}")
+        checked_sha256(self.sha256, "sha256")
 
 
 def encode_manifest(entries: list[ManifestEntry]) -> bytes:
     """Entries sorted by path, so equal trees give equal bytes."""
     files = [asdict(entry) for entry in sorted(entries, key=lambda entry: entry.path)]
-    return json.dumps({"format": MANIFEST_FORMAT, "files": files}, sort_keys=True, indent=1).encode("utf-8")
+    return json.dumps({"format": MANIFEST_FORMATS[0], "files": files}, sort_keys=True, indent=1).encode("utf-8")
 
 
 def decode_manifest(data: bytes, uri: str) -> list[ManifestEntry]:

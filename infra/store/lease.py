@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 
 from infra.store.artifacts import ArtifactStore
 from infra.store.faults import StoreError, describe
-from infra.store.keys import lease_key, shown
+from infra.store.keys import shown, validate_name
 
 logger = logging.getLogger(__name__)
 LEASE_FORMAT = "dmd2-flows/lease-v1"
@@ -63,7 +63,6 @@ class LeaseRecord:
 
     @classmethod
     def new(cls, holder: str, ttl_s: float) -> LeaseRecord:
-        """A lease for ``holder`` (this process) with a fresh token, from now for ``ttl_s``."""
         now = time.time()
         return cls(holder, uuid.uuid4().hex, now, now + ttl_s, socket.gethostname(), os.getpid())
 
@@ -105,9 +104,16 @@ class LeaseRecord:
                              "delete it") from exc
         return record
 
+    def held_error(self, run_id: str, uri: str) -> LeaseHeldError:
+        return LeaseHeldError(run_id, uri, self.holder, self.renewed_at, self.expires_at)
+
+
+def _lease_key(run_id: str) -> str:
+    # A file, not a folder: listings of rollouts and checkpoints (and so ``prune``) see only folders.
+    return f"{validate_name(run_id, 'run id')}/lease.json"
+
 
 def _read(store: ArtifactStore, key: str) -> tuple[LeaseRecord, str] | None:
-    """The stored lease and its version, or None if there is none."""
     stored = store.read_versioned(key)
     return None if stored is None else (LeaseRecord.decode(stored[0], store.uri(key)), stored[1])
 
@@ -119,7 +125,7 @@ class RunLease:
     def __init__(self, store: ArtifactStore, run_id: str, record: LeaseRecord, version: str, ttl_s: float,
                  renew_every_s: float, background: bool):
         self.store, self.run_id, self.ttl_s, self.renew_every_s = store, run_id, ttl_s, renew_every_s
-        self.key = lease_key(run_id)
+        self.key = _lease_key(run_id)
         self.uri = store.uri(self.key)
         self.holder, self.token = record.holder, record.token
         self._record, self._version = record, version
@@ -144,9 +150,9 @@ class RunLease:
     def check_free(store: ArtifactStore, run_id: str) -> None:
         """``LeaseHeldError`` if someone holds a live lease on ``run_id`` now; takes nothing (the CLI asks
         before Prefect and Ray start; ``acquire`` decides)."""
-        key = lease_key(run_id)
+        key = _lease_key(run_id)
         if (stored := _read(store, key)) is not None and stored[0].is_live():
-            raise _held(stored[0], run_id, store.uri(key))
+            raise stored[0].held_error(run_id, store.uri(key))
 
     @classmethod
     def acquire(cls, store: ArtifactStore, run_id: str, holder: str, ttl_s: float = 60.0,
@@ -156,7 +162,7 @@ class RunLease:
         caller (``renew``, ``check``). ``LeaseHeldError`` at once if a live lease is held; a stale one is taken over."""
         renew_every_s = ttl_s / 3 if renew_every_s is None else renew_every_s
         _check_arguments(holder, ttl_s, renew_every_s)
-        key, ours = lease_key(run_id), LeaseRecord.new(holder, ttl_s)
+        key, ours = _lease_key(run_id), LeaseRecord.new(holder, ttl_s)
         uri = store.uri(key)
         for _ in range(_ACQUIRE_ROUNDS):
             record = ours.renewed(ttl_s)
@@ -167,7 +173,7 @@ class RunLease:
                 if existing.token == ours.token:  # our write landed, but its answer was lost
                     record, version = existing, current
                 elif existing.is_live():
-                    raise _held(existing, run_id, uri)
+                    raise existing.held_error(run_id, uri)
                 else:
                     record = record.renewed(ttl_s)
                     if (version := store.replace_if(key, record.encode(), current)) is None:
@@ -262,10 +268,6 @@ class RunLease:
                     return
                 logger.warning("could not renew %s (%s); trying again in %.3g s", self.uri, describe(exc),
                                self.renew_every_s)
-
-
-def _held(record: LeaseRecord, run_id: str, uri: str) -> LeaseHeldError:
-    return LeaseHeldError(run_id, uri, record.holder, record.renewed_at, record.expires_at)
 
 
 def _check_arguments(holder: object, ttl_s: float, renew_every_s: float) -> None:

@@ -22,9 +22,8 @@ from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
-from infra.store.digest import sha256_hex
 from infra.store.faults import ArtifactExistsError, StoreError, refused_write
-from infra.store.io import Backend, absent_is_none, hidden_sibling, is_staging_name, write_hashing
+from infra.store.io import Backend, absent_is_none, hidden_sibling, is_staging_name, sha256_hex, write_hashing
 
 
 class LocalBackend(Backend):
@@ -110,16 +109,14 @@ class LocalBackend(Backend):
         return None if data is None else (data, sha256_hex(data))
 
     def replace_if(self, key: str, data: bytes, version: str) -> str | None:
-        path = self.path(key)
-        with _locked_at(path, version) as unchanged:
-            return self.write(path, [data])[0] if unchanged else None
+        with _locked_at(self.path(key), version) as unchanged:
+            return self.write(self.path(key), [data])[0] if unchanged else None
 
     def delete_if(self, key: str, version: str) -> bool:
-        path = self.path(key)
-        with _locked_at(path, version) as unchanged:
+        with _locked_at(self.path(key), version) as unchanged:
             if unchanged:
-                os.remove(path)
-                _fsync_dir(os.path.dirname(path))
+                os.remove(self.path(key))
+                _fsync_dir(os.path.dirname(self.path(key)))
         return unchanged
 
 

@@ -31,15 +31,12 @@ _CONDITION_FAILED = frozenset({"PreconditionFailed", "ConditionalRequestConflict
 
 
 def validate_bucket(bucket: str) -> str:
-    """``bucket`` if it is a valid S3 bucket name, else ``ValueError``."""
     if not _BUCKET_RE.fullmatch(bucket):
         raise ValueError(f"invalid S3 bucket name {bucket[:64]!r}: 3-63 of [a-z0-9.-]")
     return bucket
 
 
 class S3Backend(Backend):
-    """Objects live under ``s3://<bucket>/<prefix>/``."""
-
     def __init__(self, bucket: str, prefix: str, retry_mode: str, max_attempts: int):
         self.bucket, self.prefix, self.max_attempts = validate_bucket(bucket), prefix, max_attempts
         fs, _ = url_to_fs(
@@ -56,8 +53,7 @@ class S3Backend(Backend):
         return s3_error(exc, uri, self.bucket, self._endpoint(), self.max_attempts)
 
     def _endpoint(self) -> str:
-        """scheme://host[:port] of the endpoint in use; userinfo and path are dropped."""
-        try:
+        try:  # scheme://host[:port]: userinfo and path are dropped
             parts = urlsplit(self.fs.s3.meta.endpoint_url)
             return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
         except Exception:  # describing the endpoint must never mask the real error
@@ -123,5 +119,5 @@ class S3Backend(Backend):
         finally:
             response["Body"].close()
 
-    def _object_key(self, key: str) -> str:
+    def _object_key(self, key: str) -> str:  # the fs's paths start with the bucket, S3's keys do not
         return f"{self.prefix}/{key}" if self.prefix else key

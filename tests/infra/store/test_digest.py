@@ -1,5 +1,5 @@
-"""Tests of infra/store/digest.py and `python -m infra.store`: the store keeps the plain sha256 of every object,
-what `sha256sum` prints; stores written before manifest format v2 (a piece-wise digest) still read."""
+"""Tests of the digests (infra/store/io.py) and `python -m infra.store`: the store keeps the plain sha256 of every
+object, what `sha256sum` prints; stores written before manifest format v2 (a piece-wise digest) still read."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from infra.store import ArtifactRef, ArtifactStore, IntegrityError
-from infra.store.digest import file_sha256, legacy_sha256, sha256_hex
+from infra.store.io import file_sha256, legacy_sha256, sha256_hex
 from tests.infra.store.digest_reference import PIECE, legacy_digest, reference_digest
 
 # Empty, shorter than a piece, exactly one, one byte either side of a boundary, several.
