@@ -9,14 +9,13 @@ import torch
 from diffusers import QwenImagePipeline
 
 from dmd2.config import config_from_dict
-from dmd2.draws import shard_rows
 from dmd2.families.qwen_image.family import QwenImageFamily
 from dmd2.families.qwen_image.prompts import encode_prompt_table
 from dmd2.loop import run_rollout
 from dmd2.plan import rollout_plan
 from dmd2.prompt_index import PromptIndices
-from dmd2.schedule import shift_sigma, student_sigmas
 from dmd2.trainer import train_state
+from tests.dmd2.families.explicit_rollout import assert_the_rollout_matches, explicit_rollout_metrics
 
 PROMPTS = ["a cat", "a red dog on the sign", "the blue sign"]
 SHAPE = (4, 4, 4)  # 16 x 16 px: 4 x 4 latent cells, 2 x 2 tokens
@@ -41,11 +40,6 @@ def test_one_rollout_on_qwen_image_latents_matches_an_explicit_per_sample_comput
 
     # -- explicit: every sample on its own, each prompt's embedding straight from the pipeline ----------------------
     n = 4
-    draws, rows = plan.draws, shard_rows(0, 1, 1, n)
-    stop, noise = draws.integers("stop", 3, rows), draws.normal("noise", rows, SHAPE)
-    renoise = [draws.normal(f"renoise/{j}", rows, SHAPE) for j in range(2)]
-    prompt = draws.integers("cond", len(PROMPTS), rows)
-    sigmas = student_sigmas(3, SHIFT)
 
     def tokens(model, x, sigma, index):
         return model(hidden_states=QwenImagePipeline._pack_latents(x[None, None], 1, 4, 4, 4),
@@ -62,34 +56,12 @@ def test_one_rollout_on_qwen_image_latents_matches_an_explicit_per_sample_comput
                                                                                           keepdim=True))
         return QwenImagePipeline._unpack_latents(comb_pred, 16, 16, 4)[0, :, 0]
 
-    with torch.no_grad():
-        x0_hat = []
-        for b in range(n):
-            x = noise[b]
-            for j in range(int(stop[b]) + 1):
-                x0 = x - sigmas[j] * v(student, x, sigmas[j], int(prompt[b]))
-                if j == int(stop[b]):
-                    x0_hat.append(x0)
-                else:
-                    x = (1 - sigmas[j + 1]) * x0 + sigmas[j + 1] * renoise[j][b]
-        eps, u = draws.normal("critic/noise", rows, SHAPE), draws.uniform("critic/sigma", rows)
-        critic_losses, normalisers, actor_losses = [], [], []
-        for b in range(n):
-            s = shift_sigma(0.02 + (0.98 - 0.02) * u[b], SHIFT)  # uniform in score_sigma_range, then the shift
-            x_s = (1 - s) * x0_hat[b] + s * eps[b]
-            v_fake = v(critic, x_s, s, int(prompt[b]))
-            critic_losses.append((v_fake - (eps[b] - x0_hat[b])).pow(2).mean())
-            x0_real = x_s - s * v_true_cfg(teacher, x_s, s, int(prompt[b]))
-            normaliser = (x0_hat[b] - x0_real).abs().mean()
-            g = ((x_s - s * v_fake) - x0_real) / normaliser
-            normalisers.append(normaliser), actor_losses.append(0.5 * g.pow(2).mean())
+    expected = explicit_rollout_metrics(
+        plan.draws, n, SHAPE, len(PROMPTS), 3, SHIFT, lambda x, s, i: v(student, x, s, i),
+        lambda x, s, i: v(critic, x, s, i), lambda x_s, s, i: x_s - s * v_true_cfg(teacher, x_s, s, i))
 
     # -- the library: one rollout of the in-process loop ---------------------------------------------------------
     metrics = run_rollout(plan, config, train_state(student, 1e-3, config, family.velocity),
                           train_state(critic, 1e-3, config, family.velocity), family.velocity(teacher),
                           PromptIndices(len(PROMPTS)))
-    expected = {"critic-loss": torch.stack(critic_losses).mean(), "dmd_normaliser": torch.stack(normalisers).mean(),
-                "loss": torch.stack(actor_losses).mean()}
-    for key, value in expected.items():
-        assert abs(metrics[key] - value.item()) <= 1e-4 * max(1.0, abs(value.item())), (key, metrics[key], value)
-    assert metrics["x0_recompute_max_diff"] < 1e-5
+    assert_the_rollout_matches(metrics, expected)
