@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as error:  # a run's own failure (non-finite, the store, lost ranks): its message says it all
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: a line, not the traceback of whichever Ray or Prefect call was waiting
+        print("interrupted. A distillation keeps its checkpoints: the same command resumes it from the last one.",
+              file=sys.stderr)
+        return 130  # what a shell reports for a process that SIGINT ended
 
 
 if __name__ == "__main__":

@@ -66,3 +66,17 @@ def test_every_command_has_help_that_mentions_set(capsys):
         assert exit_info.value.code == 0
         out = capsys.readouterr().out
         assert "usage: dmd2 " + name in out and "--set" in out, name
+
+
+def test_ctrl_c_ends_the_cli_with_one_line_and_the_shells_code_for_sigint(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt  # what Python makes of SIGINT in whatever call the command is waiting in
+
+    monkeypatch.setattr("flows.cli.cmd_plan", interrupted)
+    try:
+        code = main(["plan", "--gpu-memory", "80"])
+    except KeyboardInterrupt:  # escaping, it would stop pytest's whole session instead of failing this test
+        pytest.fail("KeyboardInterrupt escaped the CLI")
+    assert code == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "resumes it from the last" in err and "Traceback" not in err
