@@ -35,6 +35,10 @@ def test_one_rollout_on_flux_latents_matches_an_explicit_per_sample_computation(
     family = FluxFamily(guidance=GUIDANCE).bind({"prompts": tables})
     teacher = family.load_model(str(flux_dir)).eval().requires_grad_(False)
     student, critic = copy.deepcopy(teacher).requires_grad_(True), copy.deepcopy(teacher).requires_grad_(True)
+    with torch.no_grad():  # a critic a little off the teacher: at the same guidance input a copy scores as it does,
+        generator = torch.Generator().manual_seed(1)  # and the actor's DMD gradient would be exactly 0
+        for param in critic.parameters():
+            param.add_(1e-2 * torch.randn(param.shape, generator=generator))
     plan = rollout_plan(config, 0, SHAPE)
 
     # -- explicit: every sample on its own, the embeddings and the layout straight from the pipeline -----------------
