@@ -8,7 +8,6 @@ them. Every error names the option and what to change.
 
 import dataclasses
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,8 @@ from typing import Any
 
 from dmd2.guard_config import GuardConfig
 from dmd2.config_rules import (CRITIC_SCORING_MODES, LOSS_SPACES, LOSS_TYPES, PARALLELISMS,  # noqa: F401
-                               PLACEMENT_STRATEGIES, PRECISIONS, SIGMA_SAMPLINGS, ConfigError, option, validate)
+                               PLACEMENT_STRATEGIES, PRECISIONS, SIGMA_SAMPLINGS, ConfigError, option,
+                               section_from_table, type_error, validate)
 
 
 @dataclass(frozen=True)
@@ -292,48 +292,12 @@ SECTION_TYPES = {"model": ModelConfig, "student": StudentConfig, "optim": OptimC
                  "eval": EvalConfig, "registry": RegistryConfig, "guard": GuardConfig}
 
 
-def _type_error(annotation: Any, value: Any) -> str | None:
-    """Why `value` is not of the option's type, or None when it is (TOML has int, float, str, bool, arrays)."""
-    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
-        else (annotation,)
-    for option in options:
-        if option is type(None) and value is None:
-            return None
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return None
-        if option in (int, str, bool) and type(value) is option:
-            return None
-        if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
-            kinds = typing.get_args(option)
-            if len(kinds) == 2 and kinds[1] is Ellipsis:
-                kinds = (kinds[0],) * len(value)
-            if len(value) == len(kinds) and all(_type_error(k, v) is None for k, v in zip(kinds, value)):
-                return None
-    names = " or ".join(getattr(o, "__name__", str(o)).replace("NoneType", "unset") for o in options)
-    return f"expected {names}, got {value!r}"
-
-
-def _section(name: str, cls: type, values: dict[str, Any], source: str) -> Any:
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"{source}: unknown option(s) {', '.join(f'[{name}] {k}' for k in unknown)}; "
-                          f"[{name}] takes {', '.join(known)}")
-    hints = typing.get_type_hints(cls)
-    for key, value in values.items():
-        problem = _type_error(hints[key], value)
-        if problem:
-            raise ConfigError(f"{source}: [{name}] {key}: {problem}")
-    converted = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-    return cls(**converted)
-
-
 def config_from_dict(data: dict[str, Any], source: str = "config") -> DistillConfig:
     """Build a config from nested dicts (a parsed TOML recipe); unknown sections or keys are errors."""
     unknown = sorted(set(data) - set(SECTION_TYPES))
     if unknown:
         raise ConfigError(f"{source}: unknown section(s) {unknown}; sections are {list(SECTION_TYPES)}")
-    sections = {name: _section(name, SECTION_TYPES[name], values, source) for name, values in data.items()}
+    sections = {name: section_from_table(name, SECTION_TYPES[name], values, source) for name, values in data.items()}
     if "dmd2" not in sections and sections.get("train", TrainConfig()).loss_type != "dmd2":
         sections["dmd2"] = None  # no critic: a [dmd2] section would be read by nothing
     return DistillConfig(**sections)
@@ -393,7 +357,7 @@ def parse_overrides(assignments: list[str], option: str = "--set") -> dict[str, 
             value = tomllib.loads(f"value = {text.strip()}")["value"]
         except tomllib.TOMLDecodeError:
             value = text.strip()  # a bare word: only a string option takes it (checked with the recipe)
-        if _type_error(hints[key], value) and _type_error(hints[key], text.strip()) is None:
+        if type_error(hints[key], value) and type_error(hints[key], text.strip()) is None:
             value = text.strip()  # e.g. --set model.teacher=123 for a string option
         parsed.setdefault(section, {})[key] = value
     return parsed

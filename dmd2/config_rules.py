@@ -6,6 +6,9 @@ runs them (dmd2/critic.py, dmd2/precision.py, dmd2/scoring.py, which import them
 is validated without importing torch: a refused recipe costs no heavy import (flows/preflight.py).
 """
 
+import dataclasses
+import types
+import typing
 from dataclasses import field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +35,44 @@ BUILTIN_FEATURE_MODELS = ("builtin:digits",)  # [eval] feature_model: the built-
 
 class ConfigError(ValueError):
     """An invalid option; the message names it and the fix."""
+
+
+def type_error(annotation: Any, value: Any) -> str | None:
+    """Why `value` is not of the option's type, or None when it is (TOML has int, float, str, bool, arrays)."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    for option in options:
+        if option is type(None) and value is None:
+            return None
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None
+        if option in (int, str, bool) and type(value) is option:
+            return None
+        if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
+            kinds = typing.get_args(option)
+            if len(kinds) == 2 and kinds[1] is Ellipsis:
+                kinds = (kinds[0],) * len(value)
+            if len(value) == len(kinds) and all(type_error(k, v) is None for k, v in zip(kinds, value)):
+                return None
+    names = " or ".join(getattr(o, "__name__", str(o)).replace("NoneType", "unset") for o in options)
+    return f"expected {names}, got {value!r}"
+
+
+def section_from_table(name: str, cls: type, values: dict[str, Any], source: str) -> Any:
+    """The section dataclass `cls` of a recipe's table `[name]`: unknown keys and values of the wrong type are
+    refused naming them (`source`: the recipe), TOML arrays become tuples."""
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"{source}: unknown option(s) {', '.join(f'[{name}] {k}' for k in unknown)}; "
+                          f"[{name}] takes {', '.join(known)}")
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        problem = type_error(hints[key], value)
+        if problem:
+            raise ConfigError(f"{source}: [{name}] {key}: {problem}")
+    converted = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return cls(**converted)
 
 
 def _check(condition: bool, message: str) -> None:
