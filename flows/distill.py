@@ -32,7 +32,8 @@ from flows.rollout import rollout_flow
 from flows.series import series_run_id
 from infra.store import ArtifactStore, RunLease
 from infra.tracking import RunTracker, SystemMetrics, redacted, refuse_user_info, register_student
-from infra.trainers import Groups, RecoverableError, build_groups, ensure_ray, load_groups
+from infra.trainers import Groups, RecoverableError, build_groups, ensure_ray, load_groups, start_ranks
+from infra.trainers.stages import StartedRanks
 from tasks import runtime
 from tasks.distill import checkpoint, evaluate, export, prepare, reference_media
 
@@ -101,14 +102,21 @@ def distill(
             config = family.resolve(config, cache)
         if ray_address:
             os.environ["RAY_ADDRESS"] = ray_address
-        if find_result(store, run_id, config.train.rollouts) is None:  # a run to train must fit its cluster
-            ensure_ray()
-            config = fit_to_cluster(config, family, cache)  # before any group starts, and before MLflow hears of it
-        return _tracked(config, family, run_id, store, outputs, cache, str(recipe), tracking_uri, lease)
+        ranks = None
+        try:
+            if find_result(store, run_id, config.train.rollouts) is None:  # a run to train must fit its cluster
+                ensure_ray()
+                # The ranks start up (imports, the model's code) while the plan is made and MLflow set up.
+                ranks = start_ranks(config, warm=(family, config.model.student or config.model.teacher))
+                config = fit_to_cluster(config, family, cache)  # before any group builds, before MLflow hears of it
+            return _tracked(config, family, run_id, store, outputs, cache, str(recipe), tracking_uri, lease, ranks)
+        finally:
+            if ranks is not None:
+                ranks.release()  # unless its groups took them
 
 
 def _tracked(config: DistillConfig, family: ModelFamily, run_id: str, store: ArtifactStore, outputs: Path,
-             cache: Path, recipe: str, tracking_uri: str | None, lease: RunLease) -> dict:
+             cache: Path, recipe: str, tracking_uri: str | None, lease: RunLease, ranks: StartedRanks | None) -> dict:
     """The run in its MLflow run: trained to its rollouts, or its stored result reported if it has them."""
     tracker = RunTracker.start_or_resume(run_id, uri=tracking_uri)
     status = "FAILED"
@@ -126,7 +134,7 @@ def _tracked(config: DistillConfig, family: ModelFamily, run_id: str, store: Art
         if reported:
             get_run_logger().info("run %s already has its %d rollouts: reporting its result", run_id, target)
         else:
-            result, trained, prepared_now = _run(config, family, run_id, store, tracker, cache, recipe, lease)
+            result, trained, prepared_now = _run(config, family, run_id, store, tracker, cache, recipe, lease, ranks)
         result = write_outputs(store, result, outputs, tracker, new=not reported)
         registered, promotion = _register(config, family, run_id, result, tracker)
         _lineage_artifact(family, run_id, result, tracker, registered, store.uri(run_id))
@@ -167,8 +175,9 @@ def _register(config: DistillConfig, family: ModelFamily, run_id: str, result: R
 
 
 def _run(config: DistillConfig, family: ModelFamily, run_id: str, store: ArtifactStore, tracker: RunTracker,
-         cache: Path, recipe: str, lease: RunLease) -> tuple[RunResult, int, bool]:
-    """Build the groups, train to the recipe's rollouts, evaluate and export; the groups end with it.
+         cache: Path, recipe: str, lease: RunLease, ranks: StartedRanks | None) -> tuple[RunResult, int, bool]:
+    """Build the groups (the first on `ranks`, started already), train to the recipe's rollouts, evaluate and
+    export; the groups end with it.
 
     A lost rank (`RecoverableError`: its process died, its collectives broke) costs the rollouts since
     the last checkpoint: new groups load it and the run goes on in this flow run and MLflow run, up to
@@ -184,7 +193,8 @@ def _run(config: DistillConfig, family: ModelFamily, run_id: str, store: Artifac
     for failures in itertools.count():
         groups, lost = None, False
         try:
-            groups = build_groups(spec, store, num_threads=threads, system_metrics=system_metrics)
+            groups = build_groups(spec, store, num_threads=threads, system_metrics=system_metrics, started=ranks)
+            ranks = None  # taken: new groups after a lost rank start their own
             runtime.register(run_id, groups)
             start = resume(groups, store, run_id)
             first = start if first is None else first

@@ -15,6 +15,21 @@ from flows.prefect_env import apply_defaults
 apply_defaults()  # before Prefect is imported: the tests' Prefect client and server are set up as dmd2's
 
 
+def pytest_collection_finish(session):
+    """Start the `BACKGROUND_JOBS` ({name: Python code}, tests/background.py) of every module with a test to run."""
+    from tests import background
+
+    for module in {item.module for item in session.items if hasattr(item, "module")}:
+        for name, code in getattr(module, "BACKGROUND_JOBS", {}).items():
+            background.start(name, code)
+
+
+def pytest_sessionfinish(session):
+    from tests import background
+
+    background.stop_all()
+
+
 @pytest.fixture(scope="session")
 def tiny_teacher(tmp_path_factory) -> str:
     """A freshly initialised tiny class-conditional digits UNet, saved as a diffusers directory."""

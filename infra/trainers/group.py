@@ -21,7 +21,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dmd2.failures import RunError
-from dmd2.family import RunSpec
+from dmd2.family import ModelFamily, RunSpec
 from infra.trainers.cluster import RankResources
 from infra.trainers.hooks import resolve_hooks
 from infra.trainers.rank import RankWorker, TrainResult
@@ -93,6 +93,15 @@ class RankProcess:
 
     def __init__(self):
         self.workers: dict[str, RankWorker] = {}
+
+    def warm(self, family: ModelFamily, model_path: str) -> None:
+        """Import the model's code and build its architecture on the meta device (no weight is read), while the
+        driver plans the run and sets up MLflow (`infra.trainers.stages.start_ranks`). Only a head start: what
+        fails here fails again in `setup`, which reports it."""
+        try:
+            family.model_on_meta(model_path)
+        except Exception as error:
+            logger.info("warm-up of %s skipped: %s", model_path, error)
 
     def add(self, role: str, *worker_args: Any) -> None:
         self.workers[role] = RankWorker(*worker_args)

@@ -10,9 +10,11 @@ import logging
 import os
 from dataclasses import dataclass
 
+import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from dmd2.family import RunSpec
+from dmd2.config import DistillConfig
+from dmd2.family import ModelFamily, RunSpec
 from dmd2.hooks import summarize_critic
 from infra.trainers.cluster import (RankResources, check_folders_on_every_node, first_bundle_on_each_node,
                                     rank_placement_group, rank_resources)
@@ -48,32 +50,72 @@ class Groups:
             remove_placement_group(self.placement)
 
 
-def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources | None = None,
-                 strategy: str | None = None, checkpoint_dir: str = "checkpoints", num_threads: int = 1,
-                 system_metrics: SystemMetrics | None = None) -> Groups:
-    """The groups of the trainer config list: rank i of each on bundle i of one placement group, in one process
-    (`RankProcess`) unless the groups' ranks each take GPUs of their own (`[cluster] colocate = false`).
+class StartedRanks:
+    """A run's placement group and rank processes, started ahead of its groups (`start_ranks`) so that the ranks'
+    start-up (a process, torch, diffusers, the model's code; on a GPU, its CUDA context) overlaps the driver's own
+    work. `build_groups` takes them; until it has, `release` ends them."""
 
-    `resources` and `strategy` default to the recipe's `[cluster]` (`rank_resources`). With `system_metrics`
-    each node's system metrics go to the run's MLflow run, logged by the first actor rank placed there: MLflow's
-    monitor samples the whole node (all its CPUs, every GPU through NVML), so one per rank would log each node's
-    figures once per rank, and pay MLflow's import in every rank process."""
-    trainers = compute_trainer_configs(spec.config, checkpoint_dir)
-    world_size = spec.config.train.world_size
-    resources = resources or rank_resources(spec.config.cluster, len(trainers), world_size)
-    strategy = strategy or spec.config.cluster.placement_strategy
-    placement = rank_placement_group(world_size, resources, groups=len(trainers), strategy=strategy)
-    try:  # a hub id is not a folder here: each node fetches it itself
+    def __init__(self, placement: PlacementGroup, processes: list | None, resources: RankResources):
+        self.placement, self.processes, self.resources = placement, processes, resources
+        self._taken = False
+
+    def take(self) -> "StartedRanks":
+        self._taken = True
+        return self
+
+    def release(self) -> None:
+        """End the processes and free the placement group, unless `build_groups` took them (then their groups
+        end them)."""
+        if self._taken:
+            return
+        self._taken = True
+        for process in self.processes or ():
+            ray.kill(process)
+        remove_placement_group(self.placement)
+
+
+def start_ranks(config: DistillConfig, resources: RankResources | None = None, strategy: str | None = None,
+                warm: tuple[ModelFamily, str] | None = None) -> StartedRanks:
+    """The placement group of the run's groups and, unless the groups' ranks each take GPUs of their own
+    (`[cluster] colocate = false`), one `RankProcess` per rank on it. `resources` and `strategy` default to the
+    recipe's `[cluster]` (`rank_resources`). Refused before any rank starts if a model folder is missing on a
+    node. `warm`: (family, model path) each process imports and builds on the meta device while the caller goes on
+    (`RankProcess.warm`)."""
+    trainers, world_size = compute_trainer_configs(config, "checkpoints"), config.train.world_size
+    resources = resources or rank_resources(config.cluster, len(trainers), world_size)
+    placement = rank_placement_group(world_size, resources, groups=len(trainers),
+                                     strategy=strategy or config.cluster.placement_strategy)
+    try:  # before any rank starts; a hub id is not a folder here: each node fetches it itself
         check_folders_on_every_node(placement, sorted({path for trainer in trainers
                                                        for path in (trainer.init, trainer.teacher)
                                                        if path is not None and os.path.isdir(path)}))
     except BaseException:
         remove_placement_group(placement)
         raise
+    processes = None
+    if config.cluster.colocate or not resources.num_gpus:
+        processes = start_rank_processes(world_size, resources.times(len(trainers)), placement)
+        for process in processes if warm else ():
+            process.warm.remote(*warm)
+    return StartedRanks(placement, processes, resources)
+
+
+def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources | None = None,
+                 strategy: str | None = None, checkpoint_dir: str = "checkpoints", num_threads: int = 1,
+                 system_metrics: SystemMetrics | None = None, started: StartedRanks | None = None) -> Groups:
+    """The groups of the trainer config list: rank i of each on bundle i of one placement group, in one process
+    (`RankProcess`) unless the groups' ranks each take GPUs of their own (`[cluster] colocate = false`).
+
+    `started`: the ranks `start_ranks` started for them (else started here, with `resources` and `strategy`). With
+    `system_metrics` each node's system metrics go to the run's MLflow run, logged by the first actor rank placed
+    there: MLflow's monitor samples the whole node (all its CPUs, every GPU through NVML), so one per rank would log
+    each node's figures once per rank, and pay MLflow's import in every rank process."""
+    trainers = compute_trainer_configs(spec.config, checkpoint_dir)
+    world_size = spec.config.train.world_size
+    started = (started or start_ranks(spec.config, resources, strategy)).take()
+    placement, processes, resources = started.placement, started.processes, started.resources
     monitors = ({rank: system_metrics.on(node) for rank, node in first_bundle_on_each_node(placement).items()}
                 if system_metrics is not None else {})
-    shared = spec.config.cluster.colocate or not resources.num_gpus
-    processes = start_rank_processes(world_size, resources.times(len(trainers)), placement) if shared else None
     made: dict[str, TrainerGroup] = {}
     try:  # every group's ranks start, load their models and join at once: start-up costs the slowest group
         for trainer in trainers:
@@ -87,6 +129,8 @@ def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources |
             group.wait_ready()
     except BaseException:
         Groups(actor=made.get("actor"), critic=made.get("critic"), placement=placement).shutdown()
+        for process in (processes or ()) if not made else ():  # no group came to own them
+            ray.kill(process)
         raise
     return Groups(actor=made["actor"], critic=made.get("critic"), placement=placement)
 

@@ -49,10 +49,12 @@ def distill(tmp_path: Path, compile: bool) -> InProcessDistiller:
 
 
 def samples(distiller: InProcessDistiller) -> torch.Tensor:
-    """The trained student's one-step samples of a fixed batch of noise, one per class."""
-    noise = torch.randn((10, *SAMPLE_SHAPE), generator=torch.Generator().manual_seed(5))
+    """The trained student's one-step samples of a fixed batch of noise, every class and then some: a batch of the
+    rollouts' size, which the compiled blocks already hold graphs for (another size is another compilation)."""
+    batch = distiller.config.train.rollout_batch_size
+    noise = torch.randn((batch, *SAMPLE_SHAPE), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        return distiller.student.velocity(noise, torch.ones(10), {"class_labels": torch.arange(10)})
+        return distiller.student.velocity(noise, torch.ones(batch), {"class_labels": torch.arange(batch) % 10})
 
 
 @pytest.mark.slow  # inductor compiles each block's graphs (~50 s on 2 cores)

@@ -28,8 +28,9 @@ from flows.outputs import artifact_key
 from infra.store import ArtifactStore
 from tasks import runtime
 
-INJECT_AT = 12  # after this rollout's step the student trains at 1000 x its learning rate
+INJECT_AT = 8  # after this rollout's step the student trains at 1000 x its learning rate
 PATIENCE = 3
+ROLLOUTS, SAVE_INTERVAL = 16, 4
 RECIPE = """
 [model]
 teacher = "{teacher}"
@@ -42,10 +43,10 @@ critic_lr = 2e-3
 critic_steps_per_rollout = 2
 teacher_guidance_scale = 2.0
 [train]
-rollouts = 24
+rollouts = {rollouts}
 rollout_batch_size = 32
 seed = 3
-save_interval = 4
+save_interval = {save_interval}
 keep_rollouts = 1
 [eval]
 num_samples = 50
@@ -77,7 +78,8 @@ def injected_collapse(monkeypatch):
 
 def _recipe(tmp_path, teacher, run_id: str, on_collapse: str):
     recipe = tmp_path / f"{run_id}.toml"
-    recipe.write_text(RECIPE.format(teacher=teacher, patience=PATIENCE, on_collapse=on_collapse))
+    recipe.write_text(RECIPE.format(teacher=teacher, patience=PATIENCE, on_collapse=on_collapse, rollouts=ROLLOUTS,
+                                     save_interval=SAVE_INTERVAL))
     return recipe
 
 
@@ -136,7 +138,8 @@ def test_an_injected_collapse_trips_the_guard_which_rolls_back_before_it_and_the
     # the injected step's weights are first measured at rollout INJECT_AT + 1; the rule trips after its patience
     assert INJECT_AT + 1 <= event["onset"] and event["rollout"] <= INJECT_AT + PATIENCE + 1, event
     assert event["restored"] <= INJECT_AT and not record["suspects"][str(event["restored"])], event
-    assert set(store.list_checkpoints("collapsing")) == set(range(4, 25, 4))  # taken again after the rollback
+    # every checkpoint there, those after the rollback taken again
+    assert set(store.list_checkpoints("collapsing")) == set(range(SAVE_INTERVAL, ROLLOUTS + 1, SAVE_INTERVAL))
     assert not any(record["suspects"].values())  # the run ended with no suspect checkpoint
     client = MlflowClient(tracking)
     [run] = client.search_runs([client.get_experiment_by_name("dmd2").experiment_id])
@@ -162,7 +165,7 @@ def test_with_on_collapse_stop_the_cli_exits_non_zero_naming_the_rule_and_export
     assert code != 0
     assert "rule " in err and "tripped at rollout" in err and 'on_collapse = "stop"' in err, err
     store = ArtifactStore(store_uri)
-    assert store.find_dir("stopping/student/24") is None and not (tmp_path / "out" / "stopping").exists()
+    assert store.find_dir(f"stopping/student/{ROLLOUTS}") is None and not (tmp_path / "out" / "stopping").exists()
     [event] = store.find_json(f"stopping/{GUARD_RECORD}")["events"]
     assert event["action"] == "stop"
     assert not MlflowClient(tracking).search_registered_models()

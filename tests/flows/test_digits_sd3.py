@@ -22,15 +22,22 @@ import pytest
 import torch
 
 from dmd2.families.sd3.builtin.captions import DIGIT_NAMES, captions
-from dmd2.families.sd3.builtin.pretrain import RESOLUTION, TextTeacherConfig, pretrain_text_teacher
-from dmd2.digits_dataset import load_digits_splits
+from dmd2.families.sd3.builtin.pretrain import RESOLUTION, TextTeacherConfig, teacher_dir
 from dmd2.family import family_judge
 from dmd2.metrics import diversity, kid_to_reference
 from flows.cli import main
 from flows.recipe import RECIPES
+from tests import background
 
 # 99% of its 24-step guided pictures show the digit asked for (400 steps: 70%)
 QUICK_TEACHER = TextTeacherConfig(vae_steps=150, steps=600, batch_size=64, lr=2e-3, ema_decay=0.99)
+# Trained beside the suite's first tests (a minute of CPU; tests/background.py), as `builtin:digits-sd3` is
+# trained into a user's cache.
+BACKGROUND_JOBS = {"quick text teacher": f"""
+import sys
+from dmd2.families.sd3.builtin.pretrain import BUILTIN_DIGITS_SD3, TextTeacherConfig, resolve_builtin
+resolve_builtin(BUILTIN_DIGITS_SD3, sys.argv[1], {QUICK_TEACHER!r})
+"""}
 ROLLOUTS = 40
 SMALL = [f"train.rollouts={ROLLOUTS}", "train.world_size=1", "train.rollout_batch_size=80",
          f"train.save_interval={ROLLOUTS}", "eval.samples_per_prompt=2", "eval.reference_steps=8",  # its own check: lean
@@ -44,11 +51,8 @@ GUIDANCE, REFERENCE_STEPS = 4.5, 24  # the recipe's teacher_guidance_scale; many
 
 
 @pytest.fixture(scope="module")
-def quick_teacher(tmp_path_factory) -> Path:
-    pipeline = pretrain_text_teacher(load_digits_splits(), QUICK_TEACHER)
-    path = tmp_path_factory.mktemp("text-teacher") / "teacher"
-    pipeline.save_pretrained(path, safe_serialization=True)
-    return path
+def quick_teacher() -> Path:
+    return teacher_dir(background.wait("quick text teacher"), QUICK_TEACHER)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """`dmd2 plan` as a user runs it: the table, the verdict and its exit status, the JSON, and bad input."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from flows.cli import main
 from flows.recipe import DEFAULT_RECIPE
 from infra.trainers.memory_plan import STAGES, plan_memory
 from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_sd3_pipeline
+from tests.reliability.faults import rank_pids
 
 GiB = 2**30
 
@@ -108,6 +110,11 @@ def test_distill_refuses_a_recipe_too_large_for_this_machine_before_any_group_or
     experiment = client.get_experiment_by_name("dmd2")
     assert experiment is None or client.search_runs([experiment.experiment_id]) == []
     assert not (tmp_path / "store" / "huge" / "checkpoints").exists()
+    # the rank processes started beside the plan (`start_ranks`) ended with the refusal
+    deadline = time.monotonic() + 30
+    while rank_pids():
+        assert time.monotonic() < deadline, f"rank processes left after the refusal: {rank_pids()}"
+        time.sleep(0.2)
 
 
 def test_hsdp_plans_each_gpu_as_fsdp_over_its_shard_group():

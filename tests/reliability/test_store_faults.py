@@ -3,6 +3,7 @@ server stopped and started again), stored bytes flipped on disk (a rollout artif
 checkpoint), and a filesystem that is full or read-only. Each run either ends with the uninterrupted run's
 student, bit for bit, or fails with a clear error having left nothing half-written."""
 
+import logging
 import os
 import subprocess
 import time
@@ -61,51 +62,70 @@ def test_the_s3_endpoint_down_for_seconds_mid_run_is_ridden_out(s3_server, s3_st
     assert_every_step_once(common["tracking_uri"], result, ROLLOUTS)
 
 
-@pytest.mark.slow
-def test_a_corrupted_rollout_artifact_is_made_again_by_its_task(uninterrupted, tiny_teacher_dir, shared_cache,
-                                                                tmp_path):
-    """Train pairs flipped on disk as soon as convert wrote them: their reader finds the checksum wrong,
-    convert runs again, and the run goes on to the uninterrupted student."""
-    pairs = tmp_path / "store" / "corrupt" / "rollout-1" / "convert" / "rank-0.safetensors"
-    before = {}
+class _Warnings(logging.Handler):
+    """The messages of every warning logged, as caplog keeps them, for a fixture wider than one test."""
 
-    def corrupt():
-        before["bytes"] = pairs.read_bytes()
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def damaged_store_run(uninterrupted, tiny_teacher_dir, shared_cache, tmp_path_factory) -> dict:
+    """Two faults of a file store that never meet, in one run: its latest checkpoint (after 2 rollouts) flipped
+    on disk before the run goes on to 4, then its train pairs of rollout 3 flipped as soon as convert wrote them.
+    The run ends with the uninterrupted student, every step logged once."""
+    tmp = tmp_path_factory.mktemp("damaged")
+    root = tmp / "store"
+    distill(**_common(tmp, tiny_teacher_dir, shared_cache, rollouts=2), run_id="damaged", store_uri=root.as_uri())
+    shard = next((root / "damaged" / "checkpoints" / "2").glob("*.distcp"))
+    flip_byte(shard)
+    damaged_shard = shard.read_bytes()
+    pairs, written = root / "damaged" / "rollout-3" / "convert" / "rank-0.safetensors", {}
+
+    def corrupt_pairs():
+        written["pairs"] = pairs.read_bytes()
         flip_byte(pairs)
         return True
 
-    flipper = when(pairs.is_file, corrupt)
-    common = _common(tmp_path, tiny_teacher_dir, shared_cache)
-    result = distill(**common, run_id="corrupt", store_uri=(tmp_path / "store").as_uri())
-    assert flipper.fired
-    assert_same_student(result, uninterrupted)
-    assert_every_step_once(common["tracking_uri"], result, ROLLOUTS)
-    if pairs.exists():  # kept (keep_rollouts = 2): made again, byte for byte what convert first wrote
-        assert pairs.read_bytes() == before["bytes"]
+    flipper = when(pairs.is_file, corrupt_pairs)
+    more, warnings = _common(tmp, tiny_teacher_dir, shared_cache, rollouts=ROLLOUTS), _Warnings()
+    logging.getLogger().addHandler(warnings)
+    try:
+        continued = distill(**more, run_id="damaged", store_uri=root.as_uri())
+    finally:
+        logging.getLogger().removeHandler(warnings)
+    assert_same_student(continued, uninterrupted)
+    assert_every_step_once(more["tracking_uri"], continued, ROLLOUTS)
+    return dict(root=root, shard=shard, damaged_shard=damaged_shard,
+                pairs=pairs, pairs_flipped=flipper.fired, pairs_written=written.get("pairs"),
+                warnings=warnings.messages)
 
 
 @pytest.mark.slow
-def test_a_corrupted_latest_checkpoint_is_quarantined_and_the_one_before_used(uninterrupted, tiny_teacher_dir,
-                                                                             shared_cache, tmp_path, caplog):
-    store_root = tmp_path / "store"
-    first = _common(tmp_path, tiny_teacher_dir, shared_cache, rollouts=2)
-    distill(**first, run_id="damaged", store_uri=store_root.as_uri())
-    shard = next((store_root / "damaged" / "checkpoints" / "2").glob("*.distcp"))
-    flip_byte(shard)
-    damaged = shard.read_bytes()
+def test_a_corrupted_rollout_artifact_is_made_again_by_its_task(damaged_store_run):
+    """The train pairs' reader finds their checksum wrong, convert runs again, and the run goes on to the
+    uninterrupted student."""
+    assert damaged_store_run["pairs_flipped"]
+    pairs = damaged_store_run["pairs"]
+    if pairs.exists():  # kept (keep_rollouts = 2): made again, byte for byte what convert first wrote
+        assert pairs.read_bytes() == damaged_store_run["pairs_written"]
 
-    more = _common(tmp_path, tiny_teacher_dir, shared_cache, rollouts=ROLLOUTS)
-    with caplog.at_level("WARNING"):
-        continued = distill(**more, run_id="damaged", store_uri=store_root.as_uri())
-    assert_same_student(continued, uninterrupted)
-    assert_every_step_once(more["tracking_uri"], continued, ROLLOUTS)
-    store = ArtifactStore(store_root.as_uri())
+
+@pytest.mark.slow
+def test_a_corrupted_latest_checkpoint_is_quarantined_and_the_one_before_used(damaged_store_run):
+    root, shard = damaged_store_run["root"], damaged_store_run["shard"]
+    store = ArtifactStore(root.as_uri())
     assert store.list_checkpoints("damaged") == list(range(1, ROLLOUTS + 1))  # 2 written again, from the replay
-    assert any("the checkpoint after 2 rollouts is damaged" in r.getMessage() and "quarantine" in r.getMessage()
-               for r in caplog.records)
+    assert any("the checkpoint after 2 rollouts is damaged" in message and "quarantine" in message
+               for message in damaged_store_run["warnings"])
     # Moved aside and kept as it was found, not deleted: the actor's and the critic's directories of step 2.
-    [kept] = (store_root / "damaged" / "quarantine").iterdir()
-    assert kept.name.startswith("2-") and (kept / "checkpoints" / "2" / shard.name).read_bytes() == damaged
+    [kept] = (root / "damaged" / "quarantine").iterdir()
+    assert kept.name.startswith("2-") and (kept / "checkpoints" / "2" / shard.name).read_bytes() == \
+        damaged_store_run["damaged_shard"]
     assert (kept / "checkpoints" / "2" / MANIFEST_NAME).is_file()
     assert (kept / "checkpoints_critic" / "2" / MANIFEST_NAME).is_file()
 
