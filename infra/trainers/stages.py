@@ -52,8 +52,8 @@ class Groups:
 
 class StartedRanks:
     """A run's placement group and rank processes, started ahead of its groups (`start_ranks`) so that the ranks'
-    start-up (a process, torch, diffusers, the model's code; on a GPU, its CUDA context) overlaps the driver's own
-    work. `build_groups` takes them; until it has, `release` ends them."""
+    start-up (a process; torch, diffusers and the model's code imported) overlaps the driver's own work.
+    `build_groups` takes them; until it has, `release` ends them."""
 
     def __init__(self, placement: PlacementGroup, processes: list | None, resources: RankResources):
         self.placement, self.processes, self.resources = placement, processes, resources

@@ -34,8 +34,8 @@ def start_cli(workdir: Path, teacher: Path, cache: Path) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_the_cli_in_a_fresh_directory_trains_once_refuses_a_second_run_and_reports_the_first(tiny_teacher_dir,
-                                                                                              tmp_path):
-    workdir, cache = tmp_path / "fresh", tmp_path / "cache"
+                                                                                              shared_cache, tmp_path):
+    workdir, cache = tmp_path / "fresh", shared_cache  # the user's cache (~/.cache/dmd2) outlives a directory
     workdir.mkdir()
     store = ArtifactStore((workdir / "artifacts").as_uri())  # the default store, apart from the outputs
     first = start_cli(workdir, tiny_teacher_dir, cache)

@@ -89,8 +89,8 @@ def stop_process(process: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_two_triggers_of_a_pooled_deployment_run_one_after_the_other_and_register_their_students(tiny_teacher_dir,
-                                                                                                   shared_ray, tmp_path):
+def test_two_triggers_of_a_pooled_deployment_run_one_after_the_other_and_register_their_students(
+        tiny_teacher_dir, shared_ray, shared_cache, tmp_path):
     server = PrefectServer(tmp_path / "prefect")
     worker = None
     try:
@@ -105,7 +105,7 @@ def test_two_triggers_of_a_pooled_deployment_run_one_after_the_other_and_registe
         recipe = write_recipe(tmp_path / "tiny.toml", tiny_teacher_dir, rollouts=2)
         tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
         params = {"recipe": str(recipe), "run_id": "pooled", "store_uri": (tmp_path / "store").as_uri(),
-                  "tracking_uri": tracking, "output_dir": str(tmp_path / "outputs"), "cache_dir": str(tmp_path / "c")}
+                  "tracking_uri": tracking, "output_dir": str(tmp_path / "outputs"), "cache_dir": str(shared_cache)}
         args = [item for key, value in params.items() for item in ("--param", f"{key}={value}")]
         triggers = [server.start_cli("deployment", "run", "distill/digits-4step", *args, "--param", "more_rollouts=1")
                     for _ in range(2)]  # both at once: the second must wait for the first, then continue it by one
