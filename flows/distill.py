@@ -32,8 +32,8 @@ from flows.rollout import rollout_flow
 from flows.series import series_run_id
 from infra.store import ArtifactStore, RunLease
 from infra.tracking import RunTracker, SystemMetrics, redacted, refuse_user_info, register_student
-from infra.trainers import Groups, RecoverableError, build_groups, ensure_ray, load_groups, start_ranks
-from infra.trainers.stages import StartedRanks
+from infra.trainers import (Groups, RecoverableError, StartedRanks, build_groups, ensure_ray, load_groups,
+                            start_ranks)
 from tasks import runtime
 from tasks.distill import checkpoint, evaluate, export, prepare, reference_media
 

@@ -17,5 +17,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "cluster": ["RankResources", "ensure_ray"],
     "group": ["EvalResult", "RankLostError", "RecoverableError", "TrainResult", "TrainerGroup"],
     "prepare": ["load_prepared", "prepare_inputs"],
-    "stages": ["Groups", "build_groups", "load_groups", "run_rollout_on_groups", "save_groups", "start_ranks"],
+    "stages": ["Groups", "StartedRanks", "build_groups", "load_groups", "run_rollout_on_groups", "save_groups",
+               "start_ranks"],
 })
