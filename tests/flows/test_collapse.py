@@ -152,7 +152,8 @@ def test_an_injected_collapse_trips_the_guard_which_rolls_back_before_it_and_the
     healthy = [_fd_teacher(evaluator, _healthy(config, tiny_teacher_dir, seed)) for seed in (3, 3 + RESEED_STRIDE)]
     collapsed = _fd_teacher(evaluator, _collapsed(config, tiny_teacher_dir))
     recovered = _fd_teacher(evaluator, load_pretrained(str(tmp_path / "out" / "collapsing" / "student")))
-    # measured: healthy 62.7 and 64.2, collapsed 1102, recovered 64.6
+    # measured (16 rollouts): healthy 79.1 and 57.7, collapsed 1222, recovered 67.3 (24 rollouts: 62.7, 64.2, 1102,
+    # 64.6: the shorter runs' noise is wider, the collapse as far out)
     noise = abs(healthy[0] - healthy[1])
     assert abs(recovered - sum(healthy) / 2) <= 3 * noise, (recovered, healthy)
     assert collapsed > 3 * max(healthy), (collapsed, healthy)
