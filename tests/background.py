@@ -2,8 +2,9 @@
 waited for by the fixture that needs it.
 
 The suite spends much of its time waiting on Ray, Prefect and CLI subprocesses, with a core idle: a long
-self-contained set-up (training a teacher) runs there instead of on the suite's critical path. The job is
-niced, so the tests' own work comes first; a test run alone starts it too, and simply waits for it.
+self-contained set-up (training a teacher) runs there instead of on the suite's critical path. The job runs in
+Linux's idle scheduling class, so the tests' own work comes first (merely niced, it slowed the tests beside it by
+15-25%); a test run alone starts it too, and simply waits for it.
 """
 
 import os
