@@ -28,6 +28,9 @@ from dmd2.config import ClusterConfig, ConfigError
 logger = logging.getLogger(__name__)
 
 AUTH_MODE_SETTING = "RAY_AUTH_MODE"
+# A local Ray's GCS dies with the run's process group (a closed terminal, a stopped service): Ray calls made after it
+# (the groups' shutdown) wait this long for it to come back before they fail, 60 s by default; a local one never does.
+GCS_RECONNECT_SETTING, LOCAL_GCS_RECONNECT_S = "RAY_gcs_rpc_server_reconnect_timeout_s", "10"
 TOKEN_SETTINGS = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")  # Ray reads these before its default file
 
 
@@ -47,6 +50,7 @@ def ensure_ray(num_cpus: int | None = None, **init_kwargs) -> None:
         ray.init(address=address, **init_kwargs)
         return
     prepare_token_auth()
+    os.environ.setdefault(GCS_RECONNECT_SETTING, LOCAL_GCS_RECONNECT_S)  # the driver's, and the local workers'
     logger.info("starting a local Ray with token authentication (RAY_ADDRESS is not set)")
     ray.init(num_cpus=num_cpus, include_dashboard=False, **init_kwargs)
     if os.environ.get(AUTH_MODE_SETTING, "").lower() != "token":  # Ray sets it when it turns token auth on
