@@ -64,11 +64,12 @@ class StartedRanks:
         return self
 
     def release(self) -> None:
-        """End the processes and free the placement group, unless `build_groups` took them (then their groups
-        end them)."""
-        if self._taken:
-            return
-        self._taken = True
+        """`end` them, unless `build_groups` took them (then it, or the groups it made, end them)."""
+        if not self._taken:
+            self.take().end()
+
+    def end(self) -> None:
+        """Kill the processes and free the placement group."""
         for process in self.processes or ():
             ray.kill(process)
         remove_placement_group(self.placement)
@@ -128,9 +129,10 @@ def build_groups(spec: RunSpec, store: ArtifactStore, resources: RankResources |
         for group in made.values():
             group.wait_ready()
     except BaseException:
-        Groups(actor=made.get("actor"), critic=made.get("critic"), placement=placement).shutdown()
-        for process in (processes or ()) if not made else ():  # no group came to own them
-            ray.kill(process)
+        if made:  # the groups own the processes and the placement group
+            Groups(actor=made.get("actor"), critic=made.get("critic"), placement=placement).shutdown()
+        else:
+            started.end()
         raise
     return Groups(actor=made["actor"], critic=made.get("critic"), placement=placement)
 
