@@ -1,10 +1,14 @@
-"""Set-up that needs CPU but no server, started in a subprocess once the session's tests are collected, and
-waited for by the fixture that needs it.
+"""Work that needs CPU but no server, run in subprocesses beside the session's tests.
 
-The suite spends much of its time waiting on Ray, Prefect and CLI subprocesses, with a core idle: a long
-self-contained set-up (training a teacher) runs there instead of on the suite's critical path. The job runs in
-Linux's idle scheduling class, so the tests' own work comes first (merely niced, it slowed the tests beside it by
-15-25%); a test run alone starts it too, and simply waits for it.
+The suite spends much of its time waiting on Ray, Prefect and CLI subprocesses, with a core idle (the two cores
+are ~65% busy). Two kinds of work fill it instead of the suite's critical path, both in Linux's idle scheduling
+class, so the tests' own work comes first (merely niced, a job slowed the tests beside it by 15-25%):
+
+- jobs: a long self-contained set-up (training a teacher, filling inductor's cache), started once the tests are
+  collected and waited for by the test that needs it; a test run alone starts it too, and simply waits for it;
+- the lane: the tests of `LANE` (no server, no session fixture, no deadline or clock: a test starved of CPU for a
+  while must not fail), run by a second pytest beside the session's other tests; its report follows the
+  session's, and its failures fail the session. DMD2_TESTS_LANE=off runs them in the session instead.
 """
 
 import os
@@ -15,12 +19,18 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# Pure torch by design (tests/dmd2/test_purity.py), or checked so (their stages' memory, MLflow on sqlite, the
+# layout): ~3.5 of the suite's minutes.
+LANE = ("tests/dmd2/", "tests/infra/trainers/test_memory_plan.py", "tests/infra/tracking/test_runs.py",
+        "tests/infra/tracking/test_registry.py", "tests/bench/test_memory_bench.py", "tests/test_layout.py")
+LANE_SWITCH = "DMD2_TESTS_LANE"
 _jobs: dict[str, tuple[subprocess.Popen, Path]] = {}
+_lane: list[tuple[subprocess.Popen, Path]] = []
 
 
 def start(name: str, code: str) -> None:
     """Run ``code`` (Python, from the repository's root; ``sys.argv[1]`` is a new folder of its own for what it
-    makes) as job ``name``: one torch thread, at the lowest priority."""
+    makes) as job ``name``: one torch thread (unless ``code`` sets more), at the lowest priority."""
     folder = Path(tempfile.mkdtemp(prefix="dmd2-tests-job-"))
     env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     with open(folder / "stderr.log", "w") as log:  # a file, not a pipe: a progress bar never blocks on it
@@ -57,3 +67,38 @@ def stop_all() -> None:
         job.wait()
         shutil.rmtree(folder, ignore_errors=True)
     _jobs.clear()
+
+
+def split_lane(items: list) -> list:
+    """The items of ``LANE`` taken out of ``items`` (in place), when the session also runs others (a lane alone runs
+    in the session); none in the lane's own pytest, or with DMD2_TESTS_LANE=off."""
+    if os.environ.get(LANE_SWITCH):
+        return []
+    lane = [item for item in items if item.nodeid.startswith(LANE)]
+    if not lane or len(lane) == len(items):
+        return []
+    items[:] = [item for item in items if not item.nodeid.startswith(LANE)]
+    return lane
+
+
+def start_lane(nodeids: list[str], rootdir: Path) -> None:
+    """Run the tests ``nodeids`` in a second pytest at the lowest priority, its report kept in a file."""
+    folder = Path(tempfile.mkdtemp(prefix="dmd2-tests-lane-"))
+    with open(folder / "report.txt", "w") as report:
+        lane = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodeids],
+                                cwd=rootdir, env=os.environ | {LANE_SWITCH: "lane"}, stdin=subprocess.DEVNULL,
+                                stdout=report, stderr=subprocess.STDOUT, preexec_fn=_lowest_priority)
+    _lane.append((lane, folder))
+
+
+def wait_lane(stop: bool = False) -> tuple[int, str] | None:
+    """(exit code, report) of the lane once it has ended (``stop``: ended now); None if none was started."""
+    if not _lane:
+        return None
+    lane, folder = _lane.pop()
+    if stop:
+        lane.kill()
+    lane.wait()
+    report = (folder / "report.txt").read_text()
+    shutil.rmtree(folder, ignore_errors=True)
+    return lane.returncode, report

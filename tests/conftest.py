@@ -13,21 +13,47 @@ import torch
 from flows.prefect_env import apply_defaults
 
 apply_defaults()  # before Prefect is imported: the tests' Prefect client and server are set up as dmd2's
+_LANE_RESULT = pytest.StashKey[tuple[int, str] | None]()
+
+
+def pytest_collection_modifyitems(items):
+    """The modules with `BACKGROUND_JOBS` run last (otherwise in their order): by then their jobs are done, and
+    their tests do not wait."""
+    items.sort(key=lambda item: bool(getattr(getattr(item, "module", None), "BACKGROUND_JOBS", None)))
 
 
 def pytest_collection_finish(session):
-    """Start the `BACKGROUND_JOBS` ({name: Python code}, tests/background.py) of every module with a test to run."""
+    """Start the lane (tests/background.py) with its tests, and the `BACKGROUND_JOBS` ({name: Python code}) of
+    every module with a test left to run here."""
     from tests import background
 
+    if session.config.option.collectonly:
+        return
+    if lane := background.split_lane(session.items):
+        background.start_lane([item.nodeid for item in lane], session.config.rootpath)
     for module in {item.module for item in session.items if hasattr(item, "module")}:
         for name, code in getattr(module, "BACKGROUND_JOBS", {}).items():
             background.start(name, code)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session):
+    """Wait for the lane, whose failures fail the session; end the jobs."""
     from tests import background
 
+    interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
+    session.config.stash[_LANE_RESULT] = lane = background.wait_lane(stop=interrupted)
+    if lane is not None and lane[0] != 0 and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     background.stop_all()
+
+
+def pytest_unconfigure(config):
+    """The lane's own report, after the session's whole report: its last line sums up the lane's tests."""
+    if (lane := config.stash.get(_LANE_RESULT, None)) is not None:
+        writer = config.get_terminal_writer()
+        writer.sep("=", f"the lane's tests, run beside the others (tests/background.py): exit code {lane[0]}")
+        writer.write(lane[1])
 
 
 @pytest.fixture(scope="session")
