@@ -151,11 +151,12 @@ def tiny_run(prefect_server, s3_store, tiny_teacher_dir, _ray_for_the_session, s
     Returns (the distill result, the recipe, the MLflow tracking URI)."""
     from flows.distill import distill
     from tests.flows.conftest import TINY_EVAL_INTERVAL, TINY_ROLLOUTS, write_recipe
+    from tests.tracking_db import tracking_uri_in
 
     start_shared_ray()
     tmp = tmp_path_factory.mktemp("tiny-run")
     recipe = write_recipe(tmp / "tiny.toml", tiny_teacher_dir, TINY_ROLLOUTS, eval_interval=TINY_EVAL_INTERVAL)
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    uri = tracking_uri_in(tmp)
     result = distill(recipe=str(recipe), run_id="tiny", store_uri=s3_store, tracking_uri=uri,
                      cache_dir=str(shared_cache), output_dir=str(tmp / "out"))
     return result, recipe, uri

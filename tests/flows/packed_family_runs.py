@@ -17,6 +17,7 @@ from dmd2.rollout import backward_simulate
 from dmd2.schedule import student_sigmas
 from flows.cli import main
 from flows.recipe import RECIPES
+from tests.tracking_db import tracking_uri_in
 
 PROMPTS = ["a photo of a cat", "a red dog", "the blue sign", "a cat on the sign"]
 SMALL = ["data.resolution=16", "train.world_size=1", "train.rollout_batch_size=4", "dmd2.critic_steps_per_rollout=2",
@@ -29,7 +30,7 @@ def distill_tiny_pipeline(tmp: Path, teacher: Path, recipe: str, run_id: str, fa
     student's folder and the run's config as `family` resolves it."""
     prompts = tmp / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    uri = tracking_uri_in(tmp)
     overrides = [f"model.teacher={teacher}", f"data.prompts={prompts}", f"data.max_sequence_length={tokens}", *SMALL]
     args = ["distill", "--recipe", str(RECIPES / recipe), "--run-id", run_id, "--rollouts", "2",
             "--store", (tmp / "store").as_uri(), "--tracking-uri", uri, "--output-dir", str(tmp / "out"),

@@ -27,6 +27,7 @@ from flows.collapse import GUARD_RECORD
 from flows.outputs import artifact_key
 from infra.store import ArtifactStore
 from tasks import runtime
+from tests.tracking_db import tracking_uri_in
 
 INJECT_AT = 8  # after this rollout's step the student trains at 1000 x its learning rate
 PATIENCE = 3
@@ -86,7 +87,7 @@ def _recipe(tmp_path, teacher, run_id: str, on_collapse: str):
 def _distill(tmp_path, teacher, run_id: str, on_collapse: str, cache) -> tuple[int, str, str, str]:
     """The CLI's exit code and stderr, the store's and MLflow's URIs."""
     recipe = _recipe(tmp_path, teacher, run_id, on_collapse)
-    store, tracking = (tmp_path / "store").as_uri(), f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store, tracking = (tmp_path / "store").as_uri(), tracking_uri_in(tmp_path)
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         code = main(["distill", "--recipe", str(recipe), "--run-id", run_id, "--store", store, "--tracking-uri",

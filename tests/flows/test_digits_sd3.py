@@ -28,6 +28,7 @@ from dmd2.metrics import diversity, kid_to_reference
 from flows.cli import main
 from flows.recipe import RECIPES
 from tests import background
+from tests.tracking_db import tracking_uri_in
 
 # 99% of its 24-step guided pictures show the digit asked for (400 steps: 70%)
 QUICK_TEACHER = TextTeacherConfig(vae_steps=150, steps=600, batch_size=64, lr=2e-3, ema_decay=0.99)
@@ -59,7 +60,7 @@ def quick_teacher() -> Path:
 def distilled(prefect_server, shared_ray, shared_cache, quick_teacher, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("text-run")
     args = ["distill", "--recipe", str(RECIPES / "digits-sd3-4step.toml"), "--run-id", "text",
-            "--store", (tmp / "store").as_uri(), "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}",
+            "--store", (tmp / "store").as_uri(), "--tracking-uri", tracking_uri_in(tmp),
             "--output-dir", str(tmp / "out"), "--cache-dir", str(shared_cache), "--set", f"model.teacher={quick_teacher}"]
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(args + [item for s in SMALL for item in ("--set", s)]) == 0

@@ -7,12 +7,13 @@ from mlflow import MlflowClient
 from flows.distill import distill
 from infra.store import ArtifactStore, LeaseHeldError, RunLease
 from tests.flows.conftest import write_recipe
+from tests.tracking_db import tracking_uri_in
 
 
 def test_the_flow_refuses_a_held_run_id_before_it_starts_an_mlflow_run(prefect_server, tiny_teacher_dir, tmp_path):
     recipe = write_recipe(tmp_path / "tiny.toml", tiny_teacher_dir, rollouts=2)
     store_uri = (tmp_path / "store").as_uri()
-    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking = tracking_uri_in(tmp_path)
     with RunLease.acquire(ArtifactStore(store_uri), "busy", "another flow run on host-b"):
         with pytest.raises(LeaseHeldError, match="another flow run on host-b"):
             distill(recipe=str(recipe), run_id="busy", store_uri=store_uri, tracking_uri=tracking,

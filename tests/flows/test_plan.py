@@ -14,6 +14,7 @@ from flows.recipe import DEFAULT_RECIPE
 from infra.trainers.memory_plan import STAGES, plan_memory
 from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_sd3_pipeline
 from tests.reliability.faults import rank_pids
+from tests.tracking_db import tracking_uri_in
 
 GiB = 2**30
 
@@ -102,7 +103,7 @@ def test_distill_refuses_a_recipe_too_large_for_this_machine_before_any_group_or
         UNet2DModel(**DIGITS_UNET_CONFIG | {"block_out_channels": (2048, 4096), "norm_num_groups": 32}).save_config(
             tmp_path / "huge")
     recipe = write_recipe(tmp_path / "huge.toml", tmp_path / "huge", rollouts=2)
-    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking = tracking_uri_in(tmp_path)
     with pytest.raises(ConfigError, match=r"does not fit this machine's memory: its 1 CPU rank pair\(s\) need"):
         distill(recipe=str(recipe), run_id="huge", store_uri=(tmp_path / "store").as_uri(), tracking_uri=tracking,
                 output_dir=str(tmp_path / "outputs"), cache_dir=str(tmp_path / "cache"))

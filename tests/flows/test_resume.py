@@ -16,6 +16,7 @@ from flows.distill import distill
 from dmd2.model import load_pretrained as load_model
 from infra.store import ArtifactStore
 from tests.flows.conftest import TINY_EVAL_INTERVAL, TINY_ROLLOUTS, write_recipe
+from tests.tracking_db import tracking_uri_in
 
 ROLLOUTS = TINY_ROLLOUTS  # the shared uninterrupted run's recipe
 
@@ -44,7 +45,7 @@ def _kill_after_checkpoint(command, env, log, store: ArtifactStore, run_id: str,
 def test_a_killed_run_resumes_to_the_uninterrupted_result(prefect_server, s3_store, tiny_run, tiny_teacher_dir,
                                                           shared_ray, shared_cache, tmp_path):
     recipe = write_recipe(tmp_path / "tiny.toml", tiny_teacher_dir, ROLLOUTS, eval_interval=TINY_EVAL_INTERVAL)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = tracking_uri_in(tmp_path)
     common = dict(recipe=str(recipe), store_uri=s3_store, tracking_uri=uri, cache_dir=str(shared_cache),
                   output_dir=str(tmp_path / "out"))
     store = ArtifactStore(s3_store)

@@ -22,6 +22,7 @@ from flows.recipe import RECIPES
 from infra.store import ArtifactStore
 from infra.trainers.prepare import PREPARED_PREFIX
 from tests.dmd2.families.sd3.tiny_pipeline import SHIFT, build_tiny_sd3_pipeline
+from tests.tracking_db import tracking_uri_in
 
 PROMPTS = ["a photo of a cat", "a red dog", "a blue sign", "the cat on the sign", "a dog on the sign"]
 LATENT = (4, 8, 8)  # 16 px, VAE scale factor 2
@@ -36,7 +37,7 @@ def sd3_runs(prefect_server, shared_ray, tmp_path_factory):
     teacher = build_tiny_sd3_pipeline(tmp / "teacher")
     prompts = tmp / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    store, uri = (tmp / "store").as_uri(), f"sqlite:///{tmp / 'mlflow.db'}"
+    store, uri = (tmp / "store").as_uri(), tracking_uri_in(tmp)
 
     def distill(run_id: str, rollouts: int) -> dict:
         args = ["distill", "--recipe", str(RECIPES / "sd35-medium-4step.toml"), "--run-id", run_id,

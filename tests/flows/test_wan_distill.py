@@ -18,6 +18,7 @@ from dmd2.schedule import student_sigmas
 from flows.cli import main
 from flows.recipe import RECIPES
 from tests.dmd2.families.wan.tiny_pipeline import FLOW_SHIFT, build_tiny_wan_pipeline
+from tests.tracking_db import tracking_uri_in
 
 PROMPTS = ["a cat runs on the grass", "a red ball", "the dog jumps", "a blue ball on the grass"]
 LATENT = (4, 2, 2, 2)  # 5 frames of 16 x 16 px
@@ -34,7 +35,7 @@ def wan_run(prefect_server, shared_ray, tmp_path_factory):
     teacher = build_tiny_wan_pipeline(tmp / "teacher")
     prompts = tmp / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    uri = tracking_uri_in(tmp)
     args = ["distill", "--recipe", str(RECIPES / "wan21-t2v-1.3b-4step.toml"), "--run-id", "wan-a", "--rollouts", "2",
             "--store", (tmp / "store").as_uri(), "--tracking-uri", uri, "--output-dir", str(tmp / "out"),
             "--cache-dir", str(tmp / "cache"), "--set", f"model.teacher={teacher}", "--set", f"data.prompts={prompts}"]

@@ -16,6 +16,7 @@ from infra.trainers.checkpoint import save_checkpoint
 from infra.trainers.parallel import free_port
 from tests.flows.conftest import write_recipe
 from tests.reliability.faults import non_finite_tensors
+from tests.tracking_db import tracking_uri_in
 
 # lr = 10 warmed up over 8 steps: finite for a few rollouts, then the critic's loss is NaN
 # (measured with the in-process loop: NaN at rollout 5 on the tiny teacher).
@@ -29,7 +30,7 @@ def test_a_diverging_critic_stops_the_run_and_stores_nothing_non_finite(prefect_
     store_root = tmp_path / "store"
     with pytest.raises(NonFiniteError) as failure:
         distill(recipe=str(recipe), run_id="diverges", overrides=DIVERGING, store_uri=store_root.as_uri(),
-                tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", cache_dir=str(shared_cache),
+                tracking_uri=tracking_uri_in(tmp_path), cache_dir=str(shared_cache),
                 output_dir=str(tmp_path / "out"))
     message = str(failure.value)
     # Either an optimizer step's loss or grad norm, or a stage's output (a model whose outputs overflowed).

@@ -10,6 +10,7 @@ from flows.distill import distill
 from tests.flows.conftest import write_recipe
 from tests.reliability.checks import assert_every_step_once, assert_same_student
 from tests.reliability.faults import kill_one, rank_pids, when
+from tests.tracking_db import tracking_uri_in
 
 ROLLOUTS = 3
 KILLED_ROLLOUT = 1  # its critic-train: rollout 1 is replayed from the checkpoint after 1 rollout
@@ -18,7 +19,7 @@ KILLED_ROLLOUT = 1  # its critic-train: rollout 1 is replayed from the checkpoin
 def _common(tmp_path, teacher, cache, world_size: int = 2, *overrides):
     recipe = write_recipe(tmp_path / "tiny.toml", teacher, ROLLOUTS)
     return dict(recipe=str(recipe), overrides=[f"train.world_size={world_size}", "cluster.cpus_per_rank=0.5", *overrides],
-                tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", cache_dir=str(cache),
+                tracking_uri=tracking_uri_in(tmp_path), cache_dir=str(cache),
                 output_dir=str(tmp_path / "out"), store_uri=(tmp_path / "store").as_uri())
 
 

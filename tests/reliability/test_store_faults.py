@@ -22,6 +22,7 @@ from tests.flows.conftest import TINY_EVAL_INTERVAL, TINY_ROLLOUTS, write_recipe
 from tests.infra.conftest import BUCKET, REGION
 from tests.reliability.checks import assert_every_step_once, assert_same_student
 from tests.reliability.faults import flip_byte, when
+from tests.tracking_db import tracking_uri_in
 
 ROLLOUTS = TINY_ROLLOUTS
 pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs join the session's Ray
@@ -35,7 +36,7 @@ def uninterrupted(tiny_run) -> dict:
 
 def _common(tmp_path: Path, teacher: Path, cache: Path, rollouts: int = ROLLOUTS) -> dict:
     recipe = write_recipe(tmp_path / f"tiny-{rollouts}.toml", teacher, rollouts, eval_interval=TINY_EVAL_INTERVAL)
-    return dict(recipe=str(recipe), tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+    return dict(recipe=str(recipe), tracking_uri=tracking_uri_in(tmp_path),
                 cache_dir=str(cache), output_dir=str(tmp_path / "out"))
 
 

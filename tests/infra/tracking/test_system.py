@@ -7,12 +7,13 @@ from mlflow import MlflowClient
 
 from infra.tracking.runs import RunTracker
 from infra.tracking.system import SystemMetrics, stop
+from tests.tracking_db import tracking_uri_in
 
 
 @pytest.fixture
 def tracker(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # whatever a test leaves in the working directory stays in its tmp_path
-    return RunTracker.start_or_resume("run-s", uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    return RunTracker.start_or_resume("run-s", uri=tracking_uri_in(tmp_path))
 
 
 def test_a_rank_shorter_than_one_interval_still_logs_its_system_metrics(tracker):

@@ -27,6 +27,7 @@ from infra.store import ArtifactRef
 from infra.trainers.configs import HookPaths, compute_trainer_configs
 from tests.reliability.faults import rank_pids
 from tests.infra.trainers.ray_fixtures import run_spec, max_abs_diff, new_store, tiny_config
+from tests.tracking_db import tracking_uri_in
 
 RUN = "run"
 ROLLOUTS = 2
@@ -60,7 +61,7 @@ def world1(shared_ray, tiny_teacher, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("world1")
     config = tiny_config(tiny_teacher, 1).replace("eval", num_samples=20, reference_steps=2)
     task, store = run_spec(config), new_store(tmp)
-    tracker = RunTracker.start_or_resume("sysmetrics", uri=f"sqlite:///{tmp / 'mlflow.db'}")
+    tracker = RunTracker.start_or_resume("sysmetrics", uri=tracking_uri_in(tmp))
     target = SystemMetrics.of(tracker.client.tracking_uri, tracker.mlflow_run_id, interval_s=0.5)
     groups = build_groups(task, store, system_metrics=target)
     try:
