@@ -62,7 +62,7 @@ timeout 300 $WITHOUT_SERVERS bench/gpu.py --workdir "${WORKDIR:-/tmp/dmd2-gpu}" 
     2> "$OUT/gpu.log" | tee "$OUT/gpu.txt"
 note "bench/gpu.py: exit $?"
 
-timeout 150 $WITHOUT_SERVERS -m pytest -m gpu -q -p no:cacheprovider tests/bench/test_gpu_bench.py \
+DMD2_TESTS_LANE=off timeout 150 $WITHOUT_SERVERS -m pytest -m gpu -q -p no:cacheprovider tests/bench/test_gpu_bench.py \
     tests/dmd2/test_on_device.py tests/dmd2/test_step_syncs.py tests/dmd2/test_compile.py 2>&1 \
     | tee "$OUT/pytest.txt"
 note "gpu tests: exit $?"

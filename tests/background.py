@@ -4,8 +4,9 @@ The suite spends much of its time waiting on Ray, Prefect and CLI subprocesses, 
 are ~65% busy). Two kinds of work fill it instead of the suite's critical path, both in Linux's idle scheduling
 class, so the tests' own work comes first (merely niced, a job slowed the tests beside it by 15-25%):
 
-- jobs: a long self-contained set-up (training a teacher, filling inductor's cache), started once the tests are
-  collected and waited for by the test that needs it; a test run alone starts it too, and simply waits for it;
+- jobs: a long self-contained set-up (training a teacher, filling inductor's cache), its code in its module's
+  `BACKGROUND_JOBS`, started once the tests are collected if a test marked `waits_for(name)` is to run, which
+  then runs last and waits for it (at its own priority, if it is not done); a test run alone simply waits;
 - the lane: the tests of `LANE` (no server, no session fixture, no deadline or clock: a test starved of CPU for a
   while must not fail), run by a second pytest beside the session's other tests; its report follows the
   session's, and its failures fail the session. DMD2_TESTS_LANE=off runs them in the session instead.

@@ -16,24 +16,28 @@ apply_defaults()  # before Prefect is imported: the tests' Prefect client and se
 _LANE_RESULT = pytest.StashKey[tuple[int, str] | None]()
 
 
+def _waited_for(item) -> list[str]:
+    """The background jobs test ``item`` waits for: its `waits_for(name)` marks (tests/background.py)."""
+    return [mark.args[0] for mark in item.iter_markers("waits_for")]
+
+
 def pytest_collection_modifyitems(items):
-    """The modules with `BACKGROUND_JOBS` run last (otherwise in their order): by then their jobs are done, and
-    their tests do not wait."""
-    items.sort(key=lambda item: bool(getattr(getattr(item, "module", None), "BACKGROUND_JOBS", None)))
+    """Tests that wait for a background job run last (the others in their order): by then it is done."""
+    items.sort(key=lambda item: bool(_waited_for(item)))
 
 
 def pytest_collection_finish(session):
-    """Start the lane (tests/background.py) with its tests, and the `BACKGROUND_JOBS` ({name: Python code}) of
-    every module with a test left to run here."""
+    """Start the lane (tests/background.py) with its tests, and the background jobs that the tests left to run
+    here wait for: ``BACKGROUND_JOBS[name]`` (Python code) of the waiting test's module."""
     from tests import background
 
     if session.config.option.collectonly:
         return
     if lane := background.split_lane(session.items):
         background.start_lane([item.nodeid for item in lane], session.config.rootpath)
-    for module in {item.module for item in session.items if hasattr(item, "module")}:
-        for name, code in getattr(module, "BACKGROUND_JOBS", {}).items():
-            background.start(name, code)
+    jobs = {name: item.module.BACKGROUND_JOBS[name] for item in session.items for name in _waited_for(item)}
+    for name, code in jobs.items():
+        background.start(name, code)
 
 
 @pytest.hookimpl(tryfirst=True)

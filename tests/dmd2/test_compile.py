@@ -69,6 +69,7 @@ def samples(distiller: InProcessDistiller) -> torch.Tensor:
 
 
 @pytest.mark.slow  # inductor compiles each block's graphs (~50 s on 2 cores, ~10 s from its cache)
+@pytest.mark.waits_for("inductor cache of the compiled run")
 def test_a_compiled_student_trains_as_the_eager_one_within_1e_4(tmp_path):
     background.wait("inductor cache of the compiled run")
     eager = distill(tmp_path, compile=False)

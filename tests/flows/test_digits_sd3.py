@@ -83,6 +83,7 @@ def pictures(pipeline_dir: Path, steps: int, guidance: float, seed: int, schedul
 
 
 @pytest.mark.slow
+@pytest.mark.waits_for("quick text teacher")
 def test_the_cli_distills_the_text_teacher_into_a_student_that_draws_the_digit_asked_for(distilled, quick_teacher,
                                                                                          shared_cache):
     judge = family_judge("digits").load(shared_cache)
