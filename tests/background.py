@@ -14,6 +14,7 @@ class, so the tests' own work comes first (merely niced, a job slowed the tests 
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -110,9 +111,23 @@ def wait_lane(stop: bool = False) -> tuple[int, str] | None:
     if not _lane:
         return None
     lane, folder = _lane.pop()
-    if stop:
-        lane.kill()
-    lane.wait()
+    try:
+        if stop:
+            _interrupt(lane)
+        lane.wait()
+    except KeyboardInterrupt:  # Ctrl-C while the session waits for it
+        _interrupt(lane)
+        raise
     report = (folder / "report.txt").read_text()
     shutil.rmtree(folder, ignore_errors=True)
     return lane.returncode, report
+
+
+def _interrupt(process: subprocess.Popen) -> None:
+    """End a pytest as Ctrl-C does (its session ends and stops its own jobs); killed if it takes over a minute."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
