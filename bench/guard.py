@@ -1,17 +1,20 @@
 """The collapse guard on healthy runs: does any rule trip, and what do its signals cost per rollout?
 
     python bench/guard.py [--seeds 0 1 2] [--rollouts N] [--recipes recipes/digits-4step.toml recipes/digits-1step.toml]
-    python bench/guard.py --tiny ...   a small random digits UNet instead of the pretrained teacher (no pretraining)
+    python bench/guard.py --tiny ...   a tiny random teacher of each recipe's family (no pretraining, no download):
+                                       a small digits UNet, or a tiny StableDiffusion3Pipeline at 16 px
+    python bench/guard.py --set optim.lr=1e-3 ...   recipe options, as `dmd2 distill --set`
 
 Each recipe and seed runs in process under the guard (`dmd2.guarded_loop.GuardedRun`, the recipe's `[guard]`
-defaults); printed: the trips (none expected), the closest each rule came (the worst ratio of a signal to its
-limit), and the signals' cost: the mean seconds of `sample_signals` on the actor's batch plus the guard's
-`observe`, over the mean seconds of the in-process rollout.
+defaults), its model, conditioning and prepared inputs made by its family as the ranks make them; printed: the
+trips (none expected), and the signals' cost: the mean seconds of `sample_signals` on the actor's batch plus the
+guard's `observe`, over the mean seconds of the in-process rollout.
 """
 
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,30 +23,50 @@ sys.path.insert(0, str(REPO))  # run as a file: make the repo importable
 
 import torch  # noqa: E402
 
-from dmd2.config import load_recipe  # noqa: E402
-from dmd2.families.digits.data import IMAGE_SHAPE  # noqa: E402
-from dmd2.families.digits.model import build_digits_unet  # noqa: E402
-from dmd2.families.digits.yardstick import DIGIT_CONDS  # noqa: E402
-from dmd2.family import default_cache_dir  # noqa: E402
+from dmd2.config import load_recipe, parse_overrides  # noqa: E402
+from dmd2.family import default_cache_dir, family_for  # noqa: E402
 from dmd2.guard import CollapseGuard, sample_signals  # noqa: E402
 from dmd2.guarded_loop import GuardedRun  # noqa: E402
 from dmd2.loop import InProcessDistiller  # noqa: E402
 
-
-def teacher_of(config, tiny: bool) -> torch.nn.Module:
-    if tiny:
-        torch.manual_seed(0)
-        return build_digits_unet(block_out_channels=(8, 16), norm_num_groups=4)
-    from dmd2.families.digits.pretrain import resolve_model
-    from dmd2.model import load_pretrained
-    return load_pretrained(resolve_model(config.model.teacher, default_cache_dir())).eval()
+# A tiny SD3 pipeline's run: its own prompts, 16 px, one rank, a small batch (the suite's SD3 runs use the same).
+TINY_SD3_PROMPTS = ["a photo of a cat", "a red dog", "a blue sign", "the cat on the sign", "a dog on the sign"]
+TINY_SD3 = ["data.resolution=16", "train.world_size=1", "train.rollout_batch_size=8", "dmd2.critic_steps_per_rollout=2"]
 
 
-def one_run(recipe: str, seed: int, rollouts: int | None, tiny: bool) -> dict[str, float]:
-    config = load_recipe(recipe)
-    config = config.replace("train", seed=seed, rollouts=rollouts or config.train.rollouts)
-    distiller = InProcessDistiller.from_models(config, teacher_of(config, tiny), DIGIT_CONDS, IMAGE_SHAPE)
-    guarded, times, rows = GuardedRun(distiller), [], []
+def tiny_teacher(family: str, folder: Path) -> list[str]:
+    """Options that distill a tiny random teacher of ``family``, saved into ``folder``."""
+    torch.manual_seed(0)
+    if family == "digits":
+        from dmd2.families.digits.model import build_digits_unet
+        build_digits_unet(block_out_channels=(8, 16), norm_num_groups=4).save_pretrained(folder / "teacher")
+        return [f"model.teacher={folder / 'teacher'}"]
+    if family == "sd3":
+        from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_sd3_pipeline
+        (folder / "prompts.txt").write_text("\n".join(TINY_SD3_PROMPTS) + "\n")
+        return [f"model.teacher={build_tiny_sd3_pipeline(folder / 'teacher')}", f"data.prompts={folder / 'prompts.txt'}",
+                *TINY_SD3]
+    raise SystemExit(f"--tiny: no tiny teacher for the {family} family (digits, sd3)")
+
+
+def one_run(recipe: str, seed: int, rollouts: int | None, tiny: bool, options: list[str]) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        if tiny:
+            options = tiny_teacher(family_for(load_recipe(recipe).model).name, Path(tmp)) + options
+        config = load_recipe(recipe, parse_overrides(options))
+        config = config.replace("train", seed=seed, rollouts=rollouts or config.train.rollouts)
+        family, cache = family_for(config.model), default_cache_dir()
+        config = family.resolve(config, cache)
+        spec = family.run_spec(config, cache)
+        family = family.bind(family.prepare(config)) if family.prepared_key(config) else family
+        teacher = family.load_model(config.model.teacher)
+        distiller = InProcessDistiller.from_models(config, teacher, spec.conds, spec.sample_shape,
+                                                   velocity=family.velocity)
+        return measured(GuardedRun(distiller), config, spec.sample_shape)
+
+
+def measured(guarded: GuardedRun, config, sample_shape: tuple[int, ...]) -> dict[str, float]:
+    times, rows = [], []
     last = [time.perf_counter()]
 
     def on_rollout(rollout_id, metrics):
@@ -54,7 +77,7 @@ def one_run(recipe: str, seed: int, rollouts: int | None, tiny: bool) -> dict[st
 
     guarded.run(on_rollout)
     # the signals' cost, measured apart on a batch of the actor's size, and the guard's bookkeeping on the run's rows
-    batch = torch.randn(config.critic_batch_size, *IMAGE_SHAPE)
+    batch = torch.randn(config.critic_batch_size, *sample_shape)
     started = time.perf_counter()
     for _ in range(200):
         {key: float(value) for key, value in sample_signals(batch).items()}
@@ -74,15 +97,18 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="+", default=["recipes/digits-4step.toml", "recipes/digits-1step.toml"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--rollouts", type=int, default=None, help="default: the recipe's")
-    parser.add_argument("--tiny", action="store_true", help="a small random UNet teacher (no pretraining)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random teacher of the recipe's family")
+    parser.add_argument("--set", dest="options", action="append", default=[], metavar="SECTION.OPTION=VALUE",
+                        help="a recipe option, as `dmd2 distill --set` (repeat it)")
     args = parser.parse_args()
     print("| recipe | seed | rollouts | trips | s / rollout | signals + guard, ms | cost |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for recipe in args.recipes:
+        rollouts = args.rollouts or load_recipe(recipe).train.rollouts
+        name = " ".join([Path(recipe).name, "(tiny teacher)" if args.tiny else "", *args.options]).strip()
         for seed in args.seeds:
-            row = one_run(recipe, seed, args.rollouts, args.tiny)
-            print(f"| {Path(recipe).name}{' (tiny teacher)' if args.tiny else ''} | {seed} | "
-                  f"{args.rollouts or load_recipe(recipe).train.rollouts} | {row['trips']} | {row['rollout_s']:.3f} | "
+            row = one_run(recipe, seed, args.rollouts, args.tiny, args.options)
+            print(f"| {name} | {seed} | {rollouts} | {row['trips']} | {row['rollout_s']:.3f} | "
                   f"{1e3 * (row['signals_s'] + row['observe_s']):.3f} | {row['cost']:.2%} |", flush=True)
 
 

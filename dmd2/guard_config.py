@@ -39,20 +39,24 @@ class GuardConfig:
                                              "evaluation's; 0: off.")
 
     def __post_init__(self):
-        problems = [
-            (self.on_collapse in ON_COLLAPSE, f"[guard] on_collapse must be one of {ON_COLLAPSE}"),
-            (self.max_rollbacks >= 0, "[guard] max_rollbacks must be >= 0 (0: the first trip stops the run)"),
-            (0 < self.lr_scale <= 1, "[guard] lr_scale must be in (0, 1]"),
+        problems = [  # (holds, what must hold, the options it reads)
+            (self.on_collapse in ON_COLLAPSE, f"[guard] on_collapse must be one of {ON_COLLAPSE}", "on_collapse"),
+            (self.max_rollbacks >= 0, "[guard] max_rollbacks must be >= 0 (0: the first trip stops the run)",
+             "max_rollbacks"),
+            (0 < self.lr_scale <= 1, "[guard] lr_scale must be in (0, 1]", "lr_scale"),
             (self.warmup >= 1 and self.window >= 2 and self.patience >= 1,
-             "[guard] warmup >= 1, window >= 2 and patience >= 1"),
-            (0 < self.diversity_fraction < 1, "[guard] diversity_fraction must be in (0, 1)"),
+             "[guard] warmup >= 1, window >= 2 and patience >= 1", "warmup window patience"),
+            (0 < self.diversity_fraction < 1, "[guard] diversity_fraction must be in (0, 1)", "diversity_fraction"),
             (self.robust_k > 0 and self.relative_floor >= 0 and self.grad_ratio > 1,
-             "[guard] robust_k > 0, relative_floor >= 0, grad_ratio > 1"),
-            (0 < self.max_clipped_fraction <= 1, "[guard] max_clipped_fraction must be in (0, 1]"),
-            (0 <= self.eval_diversity_ratio < 1, "[guard] eval_diversity_ratio must be in [0, 1) (0: off)"),
+             "[guard] robust_k > 0, relative_floor >= 0, grad_ratio > 1", "robust_k relative_floor grad_ratio"),
+            (0 < self.max_clipped_fraction <= 1, "[guard] max_clipped_fraction must be in (0, 1]",
+             "max_clipped_fraction"),
+            (0 <= self.eval_diversity_ratio < 1, "[guard] eval_diversity_ratio must be in [0, 1) (0: off)",
+             "eval_diversity_ratio"),
             (self.eval_distance_ratio == 0 or self.eval_distance_ratio > 1,
-             "[guard] eval_distance_ratio must be 0 (off) or > 1"),
+             "[guard] eval_distance_ratio must be 0 (off) or > 1", "eval_distance_ratio"),
         ]
-        for holds, message in problems:
+        for holds, message, names in problems:
             if not holds:
-                raise ConfigError(f"{message}; got {self}")
+                got = ", ".join(f"{name} = {getattr(self, name)!r}" for name in names.split())
+                raise ConfigError(f"{message}; got {got}")

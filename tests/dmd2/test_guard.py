@@ -87,7 +87,7 @@ def test_an_evaluation_trips_on_lost_diversity_or_a_distance_far_past_the_runs_b
 def test_bad_guard_options_are_refused_naming_them():
     with pytest.raises(ConfigError, match=r"\[guard\] on_collapse"):
         GuardConfig(on_collapse="ignore")
-    with pytest.raises(ConfigError, match=r"\[guard\] lr_scale"):
+    with pytest.raises(ConfigError, match=r"\[guard\] lr_scale must be in \(0, 1\]; got lr_scale = 0$"):
         GuardConfig(lr_scale=0)
     with pytest.raises(ConfigError, match=r"\[guard\] eval_distance_ratio"):
         GuardConfig(eval_distance_ratio=0.5)

@@ -48,6 +48,7 @@ rollouts = {rollouts}
 rollout_batch_size = 32
 seed = 3
 save_interval = {save_interval}
+eval_interval = {eval_interval}
 keep_rollouts = 1
 [eval]
 num_samples = 50
@@ -58,7 +59,10 @@ window = 20
 patience = {patience}
 lr_scale = 0.5
 on_collapse = "{on_collapse}"
-"""
+{rules}"""
+# The per-rollout rules switched off: only the evaluations' `eval_distance` can see the collapse.
+EVALUATION_RULES_ONLY = "robust_k = 1e9\ngrad_ratio = 1e9\ndiversity_fraction = 1e-9\n"
+EVAL_INTERVAL = 2
 
 
 @pytest.fixture
@@ -77,16 +81,16 @@ def injected_collapse(monkeypatch):
     return fired
 
 
-def _recipe(tmp_path, teacher, run_id: str, on_collapse: str):
+def _recipe(tmp_path, teacher, run_id: str, on_collapse: str, eval_interval: int = 0, rules: str = ""):
     recipe = tmp_path / f"{run_id}.toml"
     recipe.write_text(RECIPE.format(teacher=teacher, patience=PATIENCE, on_collapse=on_collapse, rollouts=ROLLOUTS,
-                                     save_interval=SAVE_INTERVAL))
+                                     save_interval=SAVE_INTERVAL, eval_interval=eval_interval, rules=rules))
     return recipe
 
 
-def _distill(tmp_path, teacher, run_id: str, on_collapse: str, cache) -> tuple[int, str, str, str]:
+def _distill(tmp_path, teacher, run_id: str, on_collapse: str, cache, **recipe) -> tuple[int, str, str, str]:
     """The CLI's exit code and stderr, the store's and MLflow's URIs."""
-    recipe = _recipe(tmp_path, teacher, run_id, on_collapse)
+    recipe = _recipe(tmp_path, teacher, run_id, on_collapse, **recipe)
     store, tracking = (tmp_path / "store").as_uri(), tracking_uri_in(tmp_path)
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
@@ -163,11 +167,16 @@ def test_an_injected_collapse_trips_the_guard_which_rolls_back_before_it_and_the
 @pytest.mark.slow
 def test_with_on_collapse_stop_the_cli_exits_non_zero_naming_the_rule_and_exports_nothing(
         prefect_server, shared_ray, shared_cache, tiny_teacher_dir, tmp_path, injected_collapse):
-    code, err, store_uri, tracking = _distill(tmp_path, tiny_teacher_dir, "stopping", "stop", shared_cache)
+    """Here the collapse is seen by an evaluation (the per-rollout rules are off): at the first one after the
+    injection, the student's distance to the teacher is many times the run's best."""
+    code, err, store_uri, tracking = _distill(tmp_path, tiny_teacher_dir, "stopping", "stop", shared_cache,
+                                              eval_interval=EVAL_INTERVAL, rules=EVALUATION_RULES_ONLY)
     assert code != 0
-    assert "rule " in err and "tripped at rollout" in err and 'on_collapse = "stop"' in err, err
+    assert "rule eval_distance tripped at rollout" in err and 'on_collapse = "stop"' in err, err
     store = ArtifactStore(store_uri)
     assert store.find_dir(f"stopping/student/{ROLLOUTS}") is None and not (tmp_path / "out" / "stopping").exists()
     [event] = store.find_json(f"stopping/{GUARD_RECORD}")["events"]
-    assert event["action"] == "stop"
+    assert event["action"] == "stop" and event["rule"] == "eval_distance", event
+    # rollout INJECT_AT + 1 trains at the injected rate: the first evaluation after it sees the collapse
+    assert event["onset"] == INJECT_AT + 2 + (-(INJECT_AT + 2)) % EVAL_INTERVAL, event
     assert not MlflowClient(tracking).search_registered_models()
