@@ -57,12 +57,9 @@ def one_run(recipe: str, seed: int, rollouts: int | None, tiny: bool, options: l
         config = config.replace("train", seed=seed, rollouts=rollouts or config.train.rollouts)
         family, cache = family_for(config.model), default_cache_dir()
         config = family.resolve(config, cache)
-        spec = family.run_spec(config, cache)
         family = family.bind(family.prepare(config)) if family.prepared_key(config) else family
-        teacher = family.load_model(config.model.teacher)
-        distiller = InProcessDistiller.from_models(config, teacher, spec.conds, spec.sample_shape,
-                                                   velocity=family.velocity)
-        return measured(GuardedRun(distiller), config, spec.sample_shape)
+        distiller = InProcessDistiller.for_family(config, family, cache)
+        return measured(GuardedRun(distiller), config, distiller.sample_shape)
 
 
 def measured(guarded: GuardedRun, config, sample_shape: tuple[int, ...]) -> dict[str, float]:

@@ -57,9 +57,7 @@ RUN_ID = "bench"
 def in_process_seconds(recipe: Path, rollouts: int, cache_dir: Path) -> float:
     config, family = run_config(recipe, rollouts=rollouts)
     config = family.resolve(config, cache_dir)
-    spec = family.run_spec(config, cache_dir)
-    distiller = InProcessDistiller.from_models(config, family.load_model(config.model.teacher), spec.conds,
-                                               spec.sample_shape)
+    distiller = InProcessDistiller.for_family(config, family, cache_dir)
     stamps = []
     distiller.run(range(rollouts), lambda rollout, metrics: stamps.append(time.monotonic()))
     return (stamps[-1] - stamps[0]) / (rollouts - 1)

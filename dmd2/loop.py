@@ -6,7 +6,8 @@ Ray trainer groups run. It is the baseline the orchestrated flow is measured aga
 
 import copy
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
@@ -21,6 +22,9 @@ from dmd2.plan import RolloutPlan, rollout_plan
 from dmd2.progress import progress_bar
 from dmd2.rollout import rollout_shard
 from dmd2.trainer import HookContext, TrainState, train_state, train_steps
+
+if TYPE_CHECKING:
+    from dmd2.family import ModelFamily
 
 
 def run_rollout(
@@ -77,6 +81,19 @@ class InProcessDistiller:
                    train_state(critic, config.critic_lr, config, lambda model: tapped(velocity(model), model),
                                steps_per_rollout=config.dmd2.critic_steps_per_rollout),
                    velocity(teacher), conds, tuple(sample_shape), real)
+
+    @classmethod
+    def for_family(cls, config: DistillConfig, family: "ModelFamily", cache_dir: Path, teacher: nn.Module | None = None,
+                   student: nn.Module | None = None, critic: nn.Module | None = None) -> "InProcessDistiller":
+        """The loop of `family`'s run of `config` (resolved; `family` bound to its prepared inputs if it has any),
+        built as its ranks build theirs: the family's sample shape, conditioning, velocity and LoRA targets, and
+        with `[dmd2] critic_gan_weight` its GAN head and real samples. `teacher`: default, the family loads it."""
+        spec = family.run_spec(config, cache_dir)
+        teacher = family.load_model(config.model.teacher) if teacher is None else teacher
+        gan = config.dmd2.critic_gan_weight > 0
+        return cls.from_models(config, teacher, spec.conds, spec.sample_shape, student, critic, family.velocity,
+                               family.lora_targets, family.real_source(spec) if gan else None,
+                               family.gan_tap if gan else None)
 
     def run(self, rollouts: range, on_rollout: Callable[[int, dict[str, float]], None] | None = None) -> None:
         for rollout_id in rollouts:

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from dmd2.config import DistillConfig
-from dmd2.families.digits.data import IMAGE_SHAPE, load_digits_splits
+from dmd2.families.digits.data import load_digits_splits
 from dmd2.families.digits.evaluator import DigitsEvaluator
 from dmd2.families.digits.family import DigitsFamily
 from dmd2.families.digits.pretrain import resolve_model
-from dmd2.families.digits.yardstick import DIGIT_CONDS, Yardstick
+from dmd2.families.digits.yardstick import Yardstick
 from dmd2.loop import InProcessDistiller
 from dmd2.model import DiffusersVelocity, load_pretrained
 
@@ -46,11 +46,8 @@ def _distill(config: DistillConfig, teacher: torch.nn.Module, cache_dir: Path, n
     def load(spec: str | None) -> torch.nn.Module | None:
         return load_pretrained(resolve_model(spec, cache_dir)) if spec else None
 
-    family = DigitsFamily()  # with [dmd2] critic_gan_weight: the GAN's real samples and head, as a run's
-    distiller = InProcessDistiller.from_models(config, teacher, DIGIT_CONDS, IMAGE_SHAPE,
-                                               student=load(config.model.student), critic=load(config.model.critic_load),
-                                               real=family.run_spec(config, cache_dir).real, gan_tap=family.gan_tap,
-                                               lora_targets=family.lora_targets)
+    distiller = InProcessDistiller.for_family(config, DigitsFamily(), cache_dir, teacher,  # GAN and LoRA as a run's
+                                              student=load(config.model.student), critic=load(config.model.critic_load))
     return distiller.distilled(name)
 
 

@@ -31,9 +31,7 @@ def _steps(n: int) -> str:
 def _distill(config: DistillConfig, family: SD3Family, teacher: torch.nn.Module, cache_dir: Path) -> torch.nn.Module:
     """The recipe's student distilled in process; with `[student] ema_decay` its EMA's weights, as a flow's
     evaluation and export."""
-    spec = family.run_spec(config, cache_dir)
-    distiller = InProcessDistiller.from_models(config, teacher, spec.conds, spec.sample_shape, velocity=family.velocity,
-                                               lora_targets=family.lora_targets)
+    distiller = InProcessDistiller.for_family(config, family, cache_dir, teacher)
     return distiller.distilled(f"DMD2 student, {_steps(config.student.num_steps)}")
 
 
