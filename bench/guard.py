@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))  # run as a file: make the repo importable
 
 import torch  # noqa: E402
 
-from dmd2.config import load_recipe, parse_overrides  # noqa: E402
+from dmd2.config import ConfigError, load_recipe, parse_overrides  # noqa: E402
 from dmd2.family import default_cache_dir, family_for  # noqa: E402
 from dmd2.guard import CollapseGuard, sample_signals  # noqa: E402
 from dmd2.guarded_loop import GuardedRun  # noqa: E402
@@ -44,8 +44,8 @@ def tiny_teacher(family: str, folder: Path) -> list[str]:
     if family == "sd3":
         from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_sd3_pipeline
         (folder / "prompts.txt").write_text("\n".join(TINY_SD3_PROMPTS) + "\n")
-        return [f"model.teacher={build_tiny_sd3_pipeline(folder / 'teacher')}", f"data.prompts={folder / 'prompts.txt'}",
-                *TINY_SD3]
+        teacher = build_tiny_sd3_pipeline(folder / "teacher")
+        return [f"model.teacher={teacher}", f"data.prompts={folder / 'prompts.txt'}", *TINY_SD3]
     raise SystemExit(f"--tiny: no tiny teacher for the {family} family (digits, sd3)")
 
 
@@ -98,6 +98,11 @@ def main() -> None:
     parser.add_argument("--set", dest="options", action="append", default=[], metavar="SECTION.OPTION=VALUE",
                         help="a recipe option, as `dmd2 distill --set` (repeat it)")
     args = parser.parse_args()
+    try:  # a bad recipe or option stops here, before any run
+        for recipe in args.recipes:
+            load_recipe(recipe, parse_overrides(args.options))
+    except ConfigError as error:
+        parser.error(str(error))
     print("| recipe | seed | rollouts | trips | s / rollout | signals + guard, ms | cost |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for recipe in args.recipes:
