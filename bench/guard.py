@@ -2,7 +2,8 @@
 
     python bench/guard.py [--seeds 0 1 2] [--rollouts N] [--recipes recipes/digits-4step.toml recipes/digits-1step.toml]
     python bench/guard.py --tiny ...   a tiny random teacher of each recipe's family (no pretraining, no download):
-                                       a small digits UNet, or a tiny StableDiffusion3Pipeline at 16 px
+                                       a small digits UNet, or the suite's tiny SD3, FLUX, Qwen-Image or Wan
+                                       pipeline at 16 px
     python bench/guard.py --set optim.lr=1e-3 ...   recipe options, as `dmd2 distill --set`
 
 Each recipe and seed runs in process under the guard (`dmd2.guarded_loop.GuardedRun`, the recipe's `[guard]`
@@ -12,6 +13,7 @@ guard's `observe`, over the mean seconds of the in-process rollout.
 """
 
 import argparse
+import importlib
 import statistics
 import sys
 import tempfile
@@ -29,9 +31,19 @@ from dmd2.guard import CollapseGuard, sample_signals  # noqa: E402
 from dmd2.guarded_loop import GuardedRun  # noqa: E402
 from dmd2.loop import InProcessDistiller  # noqa: E402
 
-# A tiny SD3 pipeline's run: its own prompts, 16 px, one rank, a small batch (the suite's SD3 runs use the same).
-TINY_SD3_PROMPTS = ["a photo of a cat", "a red dog", "a blue sign", "the cat on the sign", "a dog on the sign"]
-TINY_SD3 = ["data.resolution=16", "train.world_size=1", "train.rollout_batch_size=8", "dmd2.critic_steps_per_rollout=2"]
+# A tiny pipeline's run, as the suite's end-to-end runs of each family make it: its own prompts, 16 px (video: 5
+# frames), one rank, a small batch, `max_sequence_length` tokens of its text encoder.
+TINY_PROMPTS = ["a photo of a cat", "a red dog", "a blue sign", "the cat on the sign", "a dog on the sign"]
+TINY_RUN = ["train.world_size=1", "train.rollout_batch_size=8", "dmd2.critic_steps_per_rollout=2"]
+TINY_PIPELINES = {  # family: (the tests' builder, its module, the options of its size)
+    "sd3": ("build_tiny_sd3_pipeline", "tests.dmd2.families.sd3.tiny_pipeline", ["data.resolution=16"]),
+    "flux": ("build_tiny_flux_pipeline", "tests.dmd2.families.flux.tiny_pipeline",
+             ["data.resolution=16", "data.max_sequence_length=8"]),
+    "qwen_image": ("build_tiny_qwen_image_pipeline", "tests.dmd2.families.qwen_image.tiny_pipeline",
+                   ["data.resolution=16", "data.max_sequence_length=64"]),
+    "wan": ("build_tiny_wan_pipeline", "tests.dmd2.families.wan.tiny_pipeline",
+            ["data.frames=5", "data.height=16", "data.width=16", "data.max_sequence_length=8"]),
+}
 
 
 def tiny_teacher(family: str, folder: Path) -> list[str]:
@@ -41,12 +53,12 @@ def tiny_teacher(family: str, folder: Path) -> list[str]:
         from dmd2.families.digits.model import build_digits_unet
         build_digits_unet(block_out_channels=(8, 16), norm_num_groups=4).save_pretrained(folder / "teacher")
         return [f"model.teacher={folder / 'teacher'}"]
-    if family == "sd3":
-        from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_sd3_pipeline
-        (folder / "prompts.txt").write_text("\n".join(TINY_SD3_PROMPTS) + "\n")
-        teacher = build_tiny_sd3_pipeline(folder / "teacher")
-        return [f"model.teacher={teacher}", f"data.prompts={folder / 'prompts.txt'}", *TINY_SD3]
-    raise SystemExit(f"--tiny: no tiny teacher for the {family} family (digits, sd3)")
+    if family not in TINY_PIPELINES:
+        raise SystemExit(f"--tiny: no tiny teacher for the {family} family (digits, {', '.join(TINY_PIPELINES)})")
+    builder, module, size = TINY_PIPELINES[family]
+    teacher = getattr(importlib.import_module(module), builder)(folder / "teacher")
+    (folder / "prompts.txt").write_text("\n".join(TINY_PROMPTS) + "\n")
+    return [f"model.teacher={teacher}", f"data.prompts={folder / 'prompts.txt'}", *size, *TINY_RUN]
 
 
 def one_run(recipe: str, seed: int, rollouts: int | None, tiny: bool, options: list[str]) -> dict[str, float]:

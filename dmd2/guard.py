@@ -64,6 +64,9 @@ class Trip:
     figures: str
 
     def describe(self) -> str:
+        if self.rule.startswith("eval_"):  # judged on the weights of `onset` rollouts, after rollout `onset - 1`
+            return (f"rule {self.rule} tripped at the evaluation after rollout {self.rollout} (the student of "
+                    f"{self.onset} rollouts): {self.figures}")
         return f"rule {self.rule} tripped at rollout {self.rollout} (since rollout {self.onset}): {self.figures}"
 
 

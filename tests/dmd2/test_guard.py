@@ -72,6 +72,8 @@ def test_an_evaluation_trips_on_lost_diversity_or_a_distance_far_past_the_runs_b
     assert guard.judge(10, {"eval/diversity_ratio": 0.9}, gate=None) is None
     trip = guard.judge(20, {"eval/diversity_ratio": 0.3}, gate=None)
     assert (trip.rule, trip.onset, trip.rollout) == ("eval_diversity", 20, 19)  # onset: the weights after 20 rollouts
+    assert trip.describe().startswith("rule eval_diversity tripped at the evaluation after rollout 19 (the student of "
+                                      "20 rollouts): eval/diversity_ratio 0.3 < 0.5")
     # the gate distance: the first evaluation 10, the best 3; 9.5 is over 3 x 3 but under the first: no trip
     for step, distance in ((10, 10.0), (20, 4.0), (30, 3.0), (40, 5.0), (50, 9.5)):
         assert guard.judge(step, {"eval/fd_teacher": distance}, gate="eval/fd_teacher") is None, step

@@ -171,12 +171,13 @@ def test_with_on_collapse_stop_the_cli_exits_non_zero_naming_the_rule_and_export
     injection, the student's distance to the teacher is many times the run's best."""
     code, err, store_uri, tracking = _distill(tmp_path, tiny_teacher_dir, "stopping", "stop", shared_cache,
                                               eval_interval=EVAL_INTERVAL, rules=EVALUATION_RULES_ONLY)
-    assert code != 0
-    assert "rule eval_distance tripped at rollout" in err and 'on_collapse = "stop"' in err, err
     store = ArtifactStore(store_uri)
-    assert store.find_dir(f"stopping/student/{ROLLOUTS}") is None and not (tmp_path / "out" / "stopping").exists()
     [event] = store.find_json(f"stopping/{GUARD_RECORD}")["events"]
     assert event["action"] == "stop" and event["rule"] == "eval_distance", event
     # rollout INJECT_AT + 1 trains at the injected rate: the first evaluation after it sees the collapse
-    assert event["onset"] == INJECT_AT + 2 + (-(INJECT_AT + 2)) % EVAL_INTERVAL, event
+    assert event["onset"] == INJECT_AT + 2 + (-(INJECT_AT + 2)) % EVAL_INTERVAL == event["rollout"] + 1, event
+    assert code != 0 and 'on_collapse = "stop"' in err, err
+    assert (f"rule eval_distance tripped at the evaluation after rollout {event['rollout']} (the student of "
+            f"{event['onset']} rollouts)") in err, err
+    assert store.find_dir(f"stopping/student/{ROLLOUTS}") is None and not (tmp_path / "out" / "stopping").exists()
     assert not MlflowClient(tracking).search_registered_models()
