@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 # Pure torch by design (tests/dmd2/test_purity.py), or checked so (their stages' memory, MLflow on sqlite, the
 # layout): ~3.5 of the suite's minutes.
@@ -87,7 +89,11 @@ def stop_all() -> None:
 def split_lane(items: list) -> list:
     """The items of ``LANE`` taken out of ``items`` (in place), when the session also runs others (a lane alone runs
     in the session); none in the lane's own pytest, or with DMD2_TESTS_LANE=off."""
-    if os.environ.get(LANE_SWITCH):
+    switch = os.environ.get(LANE_SWITCH, "")
+    if switch not in ("", "off", "lane"):
+        raise pytest.UsageError(f"{LANE_SWITCH}={switch!r}: leave it unset (the lane runs beside the session) or set "
+                                "it to off (its tests run in the session)")
+    if switch:
         return []
     lane = [item for item in items if item.nodeid.startswith(LANE)]
     if not lane or len(lane) == len(items):
