@@ -118,7 +118,7 @@ class RunGuard:
         tracker.set_tags({"dmd2.guard": f"{trip.describe()}; {what}"})
         tracker.log_metrics(trip.rollout, {"guard/trips": len(self.events), "guard/rollbacks": self.rollbacks})
         lines = [f"# Collapse guard: run `{self.run_id}`", "",
-                 *(f"- rollout {e['rollout']}: rule `{e['rule']}` (since rollout {e['onset']}): {e['figures']}; "
+                 *(f"- {Trip(e['rule'], e['rollout'], e['onset'], e['figures']).describe()}; "
                    + (f"rolled back to step {e['restored']}" if e["action"] == "rollback" else "stopped")
                    for e in self.events)]
         create_markdown_artifact("\n".join(lines), key=artifact_key(f"guard-{self.run_id}"),

@@ -149,7 +149,8 @@ def test_an_injected_collapse_trips_the_guard_which_rolls_back_before_it_and_the
     client = MlflowClient(tracking)
     [run] = client.search_runs([client.get_experiment_by_name("dmd2").experiment_id])
     assert event["rule"] in run.data.tags["dmd2.guard"] and run.data.metrics["guard/rollbacks"] == 1
-    assert f"rule `{event['rule']}`" in asyncio.run(_artifact(artifact_key("guard-collapsing")))
+    assert f"- rule {event['rule']} tripped at rollout {event['rollout']}" in asyncio.run(
+        _artifact(artifact_key("guard-collapsing")))
 
     # The recovered student against healthy runs from the recipe's seed and the rollback's, and the collapsed one.
     config = load_recipe(_recipe(tmp_path, tiny_teacher_dir, "collapsing", "rollback"))
