@@ -36,12 +36,16 @@ def start(name: str, code: str) -> None:
     """Run ``code`` (Python, from the repository's root; ``sys.argv[1]`` is a new folder of its own for what it
     makes) as job ``name``: one torch thread (unless ``code`` sets more), at the lowest priority."""
     folder = Path(tempfile.mkdtemp(prefix="dmd2-tests-job-"))
-    env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    with open(folder / "stderr.log", "w") as log:  # a file, not a pipe: a progress bar never blocks on it
-        job = subprocess.Popen([sys.executable, "-c", f"import torch; torch.set_num_threads(1)\n{code}",
-                                str(folder)], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log,
-                               preexec_fn=_lowest_priority)
-    _jobs[name] = job, folder
+    _jobs[name] = _spawn([sys.executable, "-c", f"import torch; torch.set_num_threads(1)\n{code}", str(folder)],
+                         folder / "output.log", REPO, {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}), folder
+
+
+def _spawn(args: list[str], log: Path, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """``args`` at the lowest priority, in ``cwd`` with ``env`` added to this environment, its output in ``log``: a
+    file, not a pipe, so that a progress bar or a long report never blocks on it."""
+    with open(log, "w") as out:
+        return subprocess.Popen(args, cwd=cwd, env=os.environ | env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, preexec_fn=_lowest_priority)
 
 
 def _lowest_priority() -> None:
@@ -64,14 +68,14 @@ def _take_my_priority(pid: int) -> None:
 
 
 def wait(name: str, timeout_s: float = 1800) -> Path:
-    """Block until job ``name`` has ended; its folder. The end of its stderr is in the failure if it failed."""
+    """Block until job ``name`` has ended; its folder. The end of its output is in the failure if it failed."""
     assert name in _jobs, f"background job {name!r} was not started (tests/conftest.py starts it on collection)"
     job, folder = _jobs[name]
     if job.poll() is None:
         _take_my_priority(job.pid)  # a test now waits for it: it runs as the test would
     job.wait(timeout=timeout_s)
     assert job.returncode == 0, (f"background job {name!r} failed ({job.returncode}):\n"
-                                 f"{(folder / 'stderr.log').read_text()[-4000:]}")
+                                 f"{(folder / 'output.log').read_text()[-4000:]}")
     return folder
 
 
@@ -105,11 +109,8 @@ def split_lane(items: list) -> list:
 def start_lane(nodeids: list[str], rootdir: Path) -> None:
     """Run the tests ``nodeids`` in a second pytest at the lowest priority, its report kept in a file."""
     folder = Path(tempfile.mkdtemp(prefix="dmd2-tests-lane-"))
-    with open(folder / "report.txt", "w") as report:
-        lane = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodeids],
-                                cwd=rootdir, env=os.environ | {LANE_SWITCH: "lane"}, stdin=subprocess.DEVNULL,
-                                stdout=report, stderr=subprocess.STDOUT, preexec_fn=_lowest_priority)
-    _lane.append((lane, folder))
+    _lane.append((_spawn([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodeids],
+                         folder / "report.txt", rootdir, {LANE_SWITCH: "lane"}), folder))
 
 
 def wait_lane(stop: bool = False) -> tuple[int, str] | None:
