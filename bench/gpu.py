@@ -4,7 +4,7 @@ stage by stage and set beside `dmd2 plan`'s prediction for the same run.
     python bench/gpu.py [--tiny] [--variants sleep no-sleep compile no-checkpointing] [--rollouts 2]
                         [--parallel fsdp|ddp] [--peak-tflops T] [--json PATH] [--workdir DIR]
 
-The stages are `infra.trainers.memory_plan.rehearse`'s: what a GPU's two ranks run in a rollout (the student's
+The stages are `infra.trainers.rehearsal.rehearse`'s: what a GPU's two ranks run in a rollout (the student's
 rollout, convert, the critic's steps, the teacher's and the critic's scoring, the actor's step), each group
 asleep while the other works, with `dmd2/`'s training and the family's model calls, at world size 1. Only torch,
 diffusers and transformers are needed: Ray, Prefect, MLflow, boto3 and the store are never imported, so it runs
@@ -52,7 +52,8 @@ from bench.gpu_table import table  # noqa: E402
 from dmd2.config import DistillConfig, config_from_dict  # noqa: E402
 from dmd2.families.sd3.published import SD35_MEDIUM, TEXT_TOKENS  # noqa: E402
 from dmd2.family import family_for  # noqa: E402
-from infra.trainers.memory_plan import Parking, gpu_models, plan_memory, rehearse  # noqa: E402
+from infra.trainers.memory_plan import plan_memory  # noqa: E402
+from infra.trainers.rehearsal import Parking, gpu_models, rehearse  # noqa: E402
 from infra.trainers.offload import HostCopy, own_storage  # noqa: E402
 from infra.trainers.parallel import free_port, use_device  # noqa: E402
 

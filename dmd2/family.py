@@ -256,6 +256,11 @@ class ModelFamily:
         """This family bound (`bind`) to prepared inputs of their real shapes, zero-filled (fake under `dmd2 plan`)."""
         return self.bind({}, device)
 
+    def evaluation_samples(self, config: DistillConfig) -> int:
+        """How many samples an evaluation makes with the student, every rank's share together, from the options
+        alone: `dmd2 plan` rehearses one rank's share."""
+        raise NotImplementedError
+
     def conditioning_tensors(self) -> list[Tensor]:
         """The tensors the bound family keeps on the device (prepared conditioning, real samples): `dmd2 plan`
         counts them as conditioning."""

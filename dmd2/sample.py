@@ -6,6 +6,7 @@ from torch import Tensor
 from dmd2.model import Cond, VelocityFn, cond_rows, guided
 from dmd2.rollout import backward_simulate, euler_sample
 from dmd2.schedule import student_sigmas, teacher_sigmas
+from dmd2.tensors import on_host
 
 SAMPLERS = ("student", "teacher")
 
@@ -47,6 +48,7 @@ def generate(
     if sampler == "teacher":
         samples = euler_sample(model, noise, teacher_sigmas(num_steps, shift), cond)
         return samples.clamp(-1, 1) if clamp else samples
-    stop = torch.full((noise.shape[0],), num_steps)
+    with on_host():  # the stop steps are host bookkeeping (`backward_simulate` reads them there)
+        stop = torch.full((noise.shape[0],), num_steps)
     _, x0, _ = backward_simulate(model, noise, student_sigmas(num_steps, shift), stop, cond, renoise)
     return x0.clamp(-1, 1) if clamp else x0

@@ -86,7 +86,8 @@ def train_state(model: nn.Module, lr: float, config: DistillConfig,
 def train_steps(
     state: TrainState, hooks: Hooks, ctx: HookContext, pairs: TrainPairs, num_steps: int
 ) -> tuple[list[dict[str, float]], Any]:
-    """`num_steps` optimizer steps, then the train-output hook without grad; returns (per-step metrics, output).
+    """`num_steps` optimizer steps (their gradients dropped after the last), then the train-output hook without grad;
+    returns (per-step metrics, output).
 
     A non-finite step stops the steps (`NonFiniteError` naming it); the ones before it stay applied."""
     pairs = hooks.train_input(ctx, pairs)
@@ -103,5 +104,8 @@ def train_steps(
         metrics.append(stepped | {name: figure(value) if isinstance(value, Tensor) else value  # a hook's own: a number
                                   for name, value in step_metrics.items()})
         kept.append(keep)
+    # The last step's gradients: nothing reads them again (every step starts from zero_grad), and kept they would
+    # stay on the device through every stage until the group trains again (`dmd2 plan` counts what they cost).
+    state.optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         return metrics, hooks.train_output(ctx, kept)

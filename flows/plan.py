@@ -16,6 +16,9 @@ from flows.recipe import DEFAULT_RECIPE, RECIPES
 logger = logging.getLogger(__name__)
 GiB = 2**30
 UNITS = {"": GiB, "gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}
+TABLE_TITLE = ("GiB per GPU (one rank of each group), by what holds it, and the stage's compute per GPU; after the\n"
+               "rollout's stages, what the run does now and then (evaluate: the first evaluation, which makes the\n"
+               "teacher's reference samples; checkpoint: the critic saving, woken beside the actor):")
 COLUMNS = (("weights", "weights"), ("gradients", "grads"), ("optimizer", "optim"), ("teacher", "teacher"),
            ("conditioning", "cond"), ("activations", "activ"), ("temporaries", "temp"))
 
@@ -152,9 +155,9 @@ def table(plan) -> str:
     header = f"{'stage':13} {'peak':>7}" + "".join(f" {title:>7}" for _, title in COLUMNS) + f" {'TFLOP':>8}"
     rows = [f"{stage.stage:13} {stage.peak / GiB:7.2f}"
             + "".join(f" {stage.by_category.get(key, 0) / GiB:7.2f}" for key, _ in COLUMNS)
-            + f" {tflop(plan.flops[stage.stage]):>8}" for stage in plan.stages]
-    return "\n".join(["GiB per GPU (one rank of each group), by what holds it, and the stage's compute per GPU:",
-                      header, *rows])
+            + f" {tflop(plan.flops[stage.stage]) if stage.stage in plan.flops else '-':>8}"
+            for stage in plan.stages]
+    return "\n".join([TABLE_TITLE, header, *rows])
 
 
 def splits_tokens(config: DistillConfig) -> bool:
@@ -166,6 +169,8 @@ def splits_tokens(config: DistillConfig) -> bool:
 
 def remedies(config: DistillConfig, peak) -> str:
     """What would shrink the peak stage, the largest part first."""
+    if peak.stage in ("evaluate", "checkpoint"):
+        return output_remedies(config, peak)
     train, parts = config.train, peak.by_category
     state = parts["weights"] + parts["gradients"] + parts["optimizer"]
     options = []
@@ -187,6 +192,26 @@ def remedies(config: DistillConfig, peak) -> str:
                        + {"ddp": "", "fsdp": ", or plan more GPUs (--gpus)",
                           "hsdp": ", or shard over more GPUs ([train] shard_group_size)"}[train.parallel]))
     return "; or ".join(text for _, text in options)
+
+
+def output_remedies(config: DistillConfig, peak) -> str:
+    """What would shrink an evaluation (its samples, taken at once) or a checkpoint (both groups' state together)."""
+    from dmd2.family import family_class, family_name
+
+    train, options = config.train, []
+    if peak.stage == "evaluate":
+        family = family_class(family_name(config.model))
+        samples = ("[eval] num_samples" if family.name == "digits"
+                   else "[eval] samples_per_prompt or the number of [eval] prompts")
+        options.append(f"lower {samples} (an evaluation samples them in one batch"
+                       + (", shared out over the GPUs" if family.splits_evaluation else " on the first GPU") + ")")
+        if train.mixed_precision != "bf16":
+            options.append('set [train] mixed_precision = "bf16" (bf16 compute and a bf16 teacher)')
+    if train.parallel == "ddp":
+        options.append('set [train] parallel = "fsdp" (shards weights and AdamW state over the GPUs)')
+    else:
+        options.append("plan more GPUs (--gpus: each then holds a smaller shard of the weights and AdamW state)")
+    return "; or ".join(options)
 
 
 def as_json(plan, config: DistillConfig, args: argparse.Namespace, fits: bool, gpus_per_node: int) -> dict:

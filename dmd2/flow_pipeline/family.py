@@ -28,10 +28,8 @@ from dmd2.flow_pipeline import files
 from dmd2.flow_pipeline.export import CardText
 from dmd2.flow_pipeline.prompts import PromptTable
 from dmd2.pipeline_files import prompts_digest
-from dmd2.prompt_file import read_prompts
+from dmd2.prompt_file import eval_prompts, eval_set_rows, read_prompts
 from dmd2.prompt_index import PromptIndices, table_dtype
-
-EVAL_PROMPTS_DEFAULT = 4  # the first prompts of [data] prompts make the grid when [eval] prompts is unset
 
 
 @dataclass(frozen=True)
@@ -118,7 +116,10 @@ class PipelineFamily(ModelFamily):
             critic_load=model.critic_load and files.local_pipeline(model.critic_load))
 
     def eval_prompts(self, config: DistillConfig) -> list[str]:
-        return list(config.eval.prompts) or read_prompts(config.data.prompts)[:EVAL_PROMPTS_DEFAULT]
+        return eval_prompts(config)
+
+    def evaluation_samples(self, config: DistillConfig) -> int:
+        return eval_set_rows(config)
 
     def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
         shape = self.sample_shape(config.model.teacher, config)

@@ -3,27 +3,26 @@
 One GPU holds rank i of the critic group and rank i of the actor group (they share placement bundle i,
 infra/trainers/cluster.py). A group sleeps after its stage (its weights, optimizer state and EMA parked in host
 memory) and the critic's teacher is on the GPU only while it scores (infra/trainers/rank.py), so a stage's peak
-is what the awake group holds then. The plan rehearses one rollout as the ranks run it: the models are built
-from their configs on the meta device (no weight is read) and given fake storage (torch's `FakeTensorMode`),
-held as `[train]` says (`infra.trainers.models`: LoRA adapters, the GAN head, recomputed activations, FSDP2 over
-a fake process group of the world size), and the stages run the product's code (backward simulation, the
-pairs, each group's `train_steps` with its hooks, the teacher's scoring) while `dmd2.memory.MemoryLedger`
-counts every live storage by category, and `FlopCount` each stage's floating-point operations (torch's own
-formulas over the operators' shapes). Nothing is computed, so a plan of SD3.5 at 1024 px runs on a CPU. Of the
-critic's steps only the first and the last are rehearsed (`rehearsed_steps`: the middle ones repeat the first's
-memory); its FLOPs are scaled to every step.
+is what the awake group holds then. The plan rehearses one rollout as the ranks run it, and then an evaluation and
+a checkpoint (infra/trainers/rehearsal.py): the models are built from their configs on the meta device (no weight
+is read) and given fake storage (torch's `FakeTensorMode`), held as `[train]` says (`infra.trainers.models`: LoRA
+adapters, the GAN head, recomputed activations, FSDP2 over a fake process group of the world size), and the stages
+run the product's code (backward simulation, the pairs, each group's `train_steps` with its hooks, the teacher's
+scoring, the samplers) while `dmd2.memory.MemoryLedger` counts every live storage by category, and `FlopCount` each
+training stage's floating-point operations (torch's own formulas over the operators' shapes). Nothing is computed,
+so a plan of SD3.5 at 1024 px runs on a CPU. Of the critic's steps only the first and the last are rehearsed
+(`rehearsed_steps`: the middle ones repeat the first's memory); its FLOPs are scaled to every step.
 
 The optimizer state is made before the rollout (AdamW makes its moments at its first step): the plan is of a
 rollout in the middle of a run. DDP at world size > 1 is planned as its memory (`DdpBuckets`: its reducer cannot
 run on fake tensors), and under FSDP2 the block it gathers ahead (`gathered_ahead`). Not in the figures: the CUDA
 context, NCCL's buffers and the allocator's fragmentation, for which a fit keeps `RESERVE` of each GPU free.
 """
-
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,31 +31,22 @@ from torch import Tensor, nn
 
 from dmd2.config import TrainConfig
 from dmd2.config_rules import SHARDED
-from dmd2.convert import samples_to_train_pairs
 from dmd2.family import RunSpec
-from dmd2.gan import tapped
-from dmd2.hooks import score
 from dmd2.memory import MemoryLedger, StagePeak, block_bytes
-from dmd2.plan import rollout_plan
-from dmd2.precision import teacher_dtype
-from dmd2.rollout import rollout_shard
-from dmd2.trainer import HookContext, Hooks, TrainState, train_state, train_steps
-from infra.trainers.configs import compute_trainer_configs
 from infra.trainers.ddp_buckets import DdpBuckets
-from infra.trainers.hooks import resolve_hooks
-from infra.trainers.models import held_model, rank_velocity, role_model
-from infra.trainers.offload import module_tensors, optimizer_tensors, sleeping_tensors
 from infra.trainers.flops import FlopCount
+from infra.trainers.offload import optimizer_tensors
 from infra.trainers.parallel import mesh_shape, replicated
-from infra.trainers.sequence import sequence_mesh, split_sequence
+from infra.trainers.rehearsal import (DEVICE, STAGES, Parking, Wrap, gpu_models, rehearse, rehearse_outputs,
+                                      rehearsed_steps)
+from infra.trainers.sequence import sequence_mesh
 
-STAGES = ("rollout", "convert", "critic-train", "score", "actor-train")
-ASLEEP = {"rollout": "critic", "convert": "critic", "critic-train": "actor", "score": "actor", "actor-train": "critic"}
+# The group asleep in each stage (its DDP buckets are resident too with nothing asleep), and whose forwards it runs.
+ASLEEP = {"rollout": "critic", "convert": "critic", "critic-train": "actor", "score": "actor", "actor-train": "critic",
+          "evaluate": "critic", "checkpoint": None}
 COMPUTING = {"rollout": ("actor",), "convert": (), "critic-train": ("critic",), "score": ("critic", "teacher"),
-             "actor-train": ("actor",)}  # whose forwards each stage runs
+             "actor-train": ("actor",), "evaluate": ("actor", "teacher"), "checkpoint": ()}
 RESERVE = 0.10  # of each GPU, for what the figures leave out (see the module docstring)
-DEVICE = torch.device("cpu")  # fake storage on the CPU stands in for the GPU (fake CUDA fails inside FSDP2)
-Load = Callable[[str, "torch.dtype | None"], nn.Module]  # (model path, dtype) -> the model on DEVICE
 
 
 @dataclass(frozen=True)
@@ -100,102 +90,6 @@ class MemoryPlan:
                    data["parameters"], data["resident"], data["flops"])
 
 
-Wrap = Callable[[nn.Module], nn.Module]  # a replicated model -> what its optimizer steps run (DDP's wrapper)
-
-
-@dataclass
-class GpuModels:
-    """What one GPU holds: rank i of each group (model, optimizer, EMA) and the critic's frozen teacher; a group's
-    model is ``wrap``ped while it is awake, as a rank wraps a replicated model (DDP at world size > 1)."""
-
-    spec: RunSpec
-    actor: TrainState
-    critic: TrainState
-    teacher: nn.Module
-    hooks: dict[str, Hooks]
-    wrap: Wrap | None = None
-    device: torch.device = DEVICE  # where the models are: the plan's fake CPU, or a real device (bench/gpu.py)
-    asleep: set[str] = dataclasses.field(default_factory=set)  # roles, and "teacher" while it is parked
-
-    def module(self, role: str) -> nn.Module:
-        """The group's model unwrapped, which its forwards without grad run (the rollout, scoring)."""
-        model = getattr(self, role).model
-        return getattr(model, "module", model)
-
-    def sleep(self, role: str, parking: Parking) -> None:
-        """As the rank's sleep: gradients dropped, weights, optimizer state and EMA parked, the wrapper gone; the
-        teacher parked. Nothing happens to what is asleep already (a rollout after the first finds the critic so)."""
-        if role in self.asleep:
-            return
-        self.asleep.add(role)
-        if role == "teacher":
-            parking.park(role, module_tensors(self.teacher))
-            return
-        state, module = getattr(self, role), self.module(role)
-        parking.park(role, sleeping_tensors(module, state))
-        if isinstance(state.model, DdpBuckets):
-            state.model.remove()
-        self._hold(state, module)
-
-    def wake(self, role: str, parking: Parking) -> None:
-        """As the rank's wake: what sleeps restored, the model wrapped anew."""
-        if role not in self.asleep:
-            return
-        self.asleep.remove(role)
-        parking.unpark(role)
-        if role == "teacher":
-            return
-        state = getattr(self, role)
-        self._hold(state, self.wrap(state.model) if self.wrap is not None else state.model)
-
-    def _hold(self, state: TrainState, model: nn.Module) -> None:
-        module = getattr(model, "module", model)
-        state.model = model
-        state.velocity = tapped(rank_velocity(self.spec.family, model, self.spec.config, self.device), module)
-
-
-def gpu_models(spec: RunSpec, load: Load, mesh=None, wrap: Wrap | None = None,
-               device: torch.device = DEVICE) -> GpuModels:
-    """Both groups' rank on one GPU, loaded by ``load`` and held as the ranks hold them, awake (``wrap``ped, if
-    given); ``spec.family`` must be bound (`ModelFamily.bind`). Their optimizer state is made
-    (`_with_optimizer_state`)."""
-    config, family = spec.config, spec.family
-    states, hooks, teacher = {}, {}, None
-    sequence = sequence_mesh(config.train, device.type)  # `fake_world` made it, before the fake mode
-    for trainer in compute_trainer_configs(config, "checkpoints"):
-        model = held_model(role_model(load(trainer.init, None), family, trainer, config), config, mesh, sequence)
-        state = train_state(model, trainer.lr, config, family.velocity, trainer.ema_decay, trainer.steps_per_rollout)
-        states[trainer.role] = _with_optimizer_state(state)
-        hooks[trainer.role] = resolve_hooks(trainer.hooks, trainer.role)
-        if trainer.teacher is not None:
-            teacher = split_sequence(load(trainer.teacher, teacher_dtype(config)), sequence)
-            teacher = teacher.eval().requires_grad_(False)
-    gpu = GpuModels(spec, states["actor"], states["critic"], teacher, hooks, wrap, device)
-    for state in states.values():
-        gpu._hold(state, wrap(state.model) if wrap is not None else state.model)
-    return gpu
-
-
-def _with_optimizer_state(state: TrainState) -> TrainState:
-    """AdamW's moments, as after the run's first step: one step on zero gradients (weight decay aside, a no-op)."""
-    for group in state.optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = torch.zeros_like(param)
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
-    return state
-
-
-class Parking:
-    """Where a rehearsal parks what sleeps: in the ledger's host total (a plan), or for real (a measurement)."""
-
-    def park(self, name: str, tensors: list[Tensor]) -> None:
-        raise NotImplementedError
-
-    def unpark(self, name: str) -> None:
-        raise NotImplementedError
-
-
 class LedgerParking(Parking):
     def __init__(self, ledger: MemoryLedger):
         self.ledger, self._parked = ledger, {}
@@ -206,59 +100,6 @@ class LedgerParking(Parking):
 
     def unpark(self, name: str) -> None:
         self.ledger.unpark(self._parked.pop(name))
-
-
-def rehearsed_steps(steps: int) -> list[int]:
-    """Of a group's ``steps`` optimizer steps, the first and the last (which keeps what scoring needs): with the
-    optimizer state made, every middle step repeats the first's memory (and FLOPs), and rehearsing them would
-    only cost time."""
-    return [0, steps - 1] if steps > 1 else [0]
-
-
-def _first_and_last(hooks: Hooks, steps: int) -> tuple[Hooks, int]:
-    """The hooks that run `rehearsed_steps` of ``steps``, and how many steps they are, for `train_steps`."""
-    chosen = rehearsed_steps(steps)
-    return dataclasses.replace(
-        hooks, loss=lambda ctx, velocity, batch, step: hooks.loss(ctx, velocity, batch, chosen[step]),
-        prepare=lambda ctx, pairs, step: hooks.prepare(ctx, pairs, chosen[step])), len(chosen)
-
-
-def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], parking: Parking,
-             every_step: bool = False) -> None:
-    """One rollout on ``gpu`` as the two ranks run it, each of `STAGES` inside ``stage(name)``: the group of the
-    stage awake (woken before it), the other asleep, the teacher on the device only while scoring. The critic
-    runs `rehearsed_steps` of its steps, or with ``every_step`` all of them (a timed rollout)."""
-    spec, device = gpu.spec, gpu.device
-    config, family = spec.config, spec.family
-    plan = rollout_plan(config, 0, spec.sample_shape)
-    real = family.real_source(spec)
-    gpu.sleep("critic", parking)
-    gpu.sleep("teacher", parking)
-    with stage("rollout"):
-        student = rank_velocity(family, gpu.module("actor"), config, device)
-        samples = rollout_shard(student, spec.conds, plan, 0, device, lockstep=config.train.parallel in SHARDED)
-    with stage("convert"):
-        pairs = samples_to_train_pairs(samples, config.student.num_steps)
-    del samples
-    gpu.sleep("actor", parking)
-    gpu.wake("critic", parking)
-    hooks, steps = ((gpu.hooks["critic"], plan.critic_steps) if every_step
-                    else _first_and_last(gpu.hooks["critic"], plan.critic_steps))
-    with stage("critic-train"):
-        _, kept = train_steps(gpu.critic, hooks, HookContext(plan, config.dmd2, 0, {}, real), pairs, steps)
-    gpu.critic.optimizer.zero_grad(set_to_none=True)  # as `RankWorker.score`: the last step's gradients go first
-    gpu.wake("teacher", parking)
-    with stage("score"):
-        scores = score(rank_velocity(family, gpu.teacher, config, device), kept, pairs,
-                       HookContext(plan, config.dmd2, 0, {}, real),
-                       tapped(rank_velocity(family, gpu.module("critic"), config, device), gpu.module("critic")))
-    del kept
-    gpu.sleep("teacher", parking)
-    gpu.sleep("critic", parking)
-    gpu.wake("actor", parking)
-    with stage("actor-train"):
-        train_steps(gpu.actor, gpu.hooks["actor"], HookContext(plan, config.dmd2, 0, {"critic": scores}, real),
-                    pairs, 1)
 
 
 def plan_memory(spec: RunSpec) -> MemoryPlan:
@@ -287,21 +128,27 @@ def plan_memory(spec: RunSpec) -> MemoryPlan:
                 ledger.label(gpu.teacher, "teacher")
                 ledger.label(family.conditioning_tensors(), "conditioning")
                 stages = _Stages(ledger)
-                rehearse(gpu, stages.stage, LedgerParking(ledger))
+                parking = LedgerParking(ledger)
+                rehearse(gpu, stages.stage, parking)
+                rehearse_outputs(gpu, stages.stage, parking)
     critic_steps = config.dmd2.critic_steps_per_rollout
     stages.flops["critic-train"] = stages.flops["critic-train"] * critic_steps // len(rehearsed_steps(critic_steps))
     parameters = sum(p.numel() for p in gpu.teacher.parameters())
     peaks = ledger.peaks
+    computing = dict(COMPUTING, evaluate=COMPUTING["evaluate"] if family.splits_evaluation else ())  # else a copy
     if config.train.parallel in SHARDED:
         gathers = {role: gathered_ahead(gpu.module(role), torch.bfloat16 if config.train.mixed_precision == "bf16"
                                         else None) for role in ("actor", "critic")} | {"teacher": 0}  # whole
-        peaks = [_with_temporaries(peak, max((gathers[name] for name in COMPUTING[peak.stage]), default=0))
+        peaks = [_with_temporaries(peak, max((gathers[name] for name in computing[peak.stage]), default=0))
                  for peak in peaks]
-    # With nothing asleep (sleep = "never"), DDP's wrapper stays too: the asleep group's buckets are resident.
+    # With nothing asleep (sleep = "never"), DDP's wrapper stays too: the asleep group's buckets are resident; and the
+    # critic's teacher, beside the one a split evaluation loads.
     buckets = {role: DdpBuckets.bytes_of(gpu.module(role)) if replicated(config) else 0 for role in ("actor", "critic")}
-    resident = max(peak.peak + stages.parked[peak.stage] + buckets[ASLEEP[peak.stage]] for peak in peaks)
-    return MemoryPlan(config.train.world_size, tuple(peaks), max(stages.parked.values()), parameters, resident,
-                      stages.flops)
+    buckets[None] = 0
+    resident = max(peak.peak + stages.parked[peak.stage] + buckets[ASLEEP[peak.stage]]
+                   + (peak.by_category.get("teacher", 0) if peak.stage == "evaluate" else 0) for peak in peaks)
+    flops = {name: stages.flops[name] for name in STAGES}  # a rollout's: the outputs come now and then
+    return MemoryPlan(config.train.world_size, tuple(peaks), max(stages.parked.values()), parameters, resident, flops)
 
 
 def gathered_ahead(model: nn.Module, dtype: torch.dtype | None) -> int:

@@ -217,10 +217,7 @@ class RankWorker(StudentOutputs):
         """The teacher's x0_real at the kept x_s -> ``rollout-<n>/score/rank-<r>`` (Scores)."""
         if self.teacher is None:
             raise RuntimeError(f"the {self.trainer.role} group holds no teacher; score on the critic group")
-        self.wake()
-        # The last step's gradients: nothing reads them again (every step starts from zero_grad), and beside the
-        # teacher they made scoring the largest stage of the SD3.5 recipes (`dmd2 plan`, docs/scale.md).
-        self.state.optimizer.zero_grad(set_to_none=True)
+        self.wake()  # the critic, without its last step's gradients (`train_steps` drops them)
         if self._teacher_host.parked:
             self._teacher_host.restore()
         try:

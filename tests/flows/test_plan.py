@@ -11,7 +11,8 @@ from dmd2.families.sd3.family import SD3Family
 from dmd2.family import family_for
 from flows.cli import main
 from flows.recipe import DEFAULT_RECIPE
-from infra.trainers.memory_plan import STAGES, plan_memory
+from infra.trainers.memory_plan import plan_memory
+from infra.trainers.rehearsal import OUTPUT_STAGES, STAGES
 from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_sd3_pipeline
 from tests.reliability.faults import rank_pids
 from tests.tracking_db import tracking_uri_in
@@ -24,7 +25,7 @@ def test_the_default_recipe_fits_and_the_json_holds_every_stage(tmp_path, capsys
     assert main(["plan", "--gpu-memory", "1GiB", "--json", str(out), "--gpu-tflops", "100", "--mfu", "0.5"]) == 0
     printed = capsys.readouterr().out
     plan = json.loads(out.read_text())
-    assert list(plan["stages"]) == list(STAGES) and plan["fits"] is True
+    assert list(plan["stages"]) == [*STAGES, *OUTPUT_STAGES] and plan["fits"] is True
     peak = max(plan["stages"].values(), key=lambda stage: stage["peak"])
     assert plan["stages"][plan["peak_stage"]] == peak
     for name, stage in plan["stages"].items():  # each row's parts add up to its peak
@@ -37,15 +38,20 @@ def test_the_default_recipe_fits_and_the_json_holds_every_stage(tmp_path, capsys
     assert "at 50% MFU of 100 TFLOP/s per GPU" in printed
 
 
-def test_a_gpu_too_small_exits_1_naming_the_stage_the_figure_and_the_fix(tmp_path, capsys):
+@pytest.mark.parametrize("overrides, stage, fixes", [
+    # The digits evaluation samples its 1000 in one batch: the largest stage of the default recipe.
+    ([], "evaluate", ["lower [eval] num_samples", 'parallel = "fsdp"']),
+    (["--set", "eval.num_samples=100"], "rollout", ["lower [train] rollout_batch_size", 'parallel = "fsdp"']),
+])
+def test_a_gpu_too_small_exits_1_naming_the_stage_the_figure_and_the_fix(tmp_path, capsys, overrides, stage, fixes):
     out = tmp_path / "plan.json"
-    assert main(["plan", "--gpu-memory", "4MiB", "--json", str(out)]) == 1
+    assert main(["plan", "--gpu-memory", "4MiB", "--json", str(out), *overrides]) == 1
     printed = capsys.readouterr().out
     plan = json.loads(out.read_text())
-    stage, peak = plan["peak_stage"], plan["stages"][plan["peak_stage"]]["peak"]
-    assert plan["fits"] is False
+    peak = plan["stages"][stage]["peak"]
+    assert plan["fits"] is False and plan["peak_stage"] == stage
     assert f"does not fit: {stage} needs {peak / GiB:.1f} GiB per GPU" in printed
-    assert "lower [train] rollout_batch_size" in printed and 'parallel = "fsdp"' in printed
+    assert all(fix in printed for fix in fixes), printed
 
 
 def exit_status(args: list[str]) -> int:
@@ -74,7 +80,10 @@ def test_bad_input_is_refused_naming_the_option(args, message, capsys):
 
 def test_an_sd3_pipeline_is_planned_from_its_configs_with_a_bf16_teacher(tmp_path):
     """The SD3 family's path (a pipeline directory's transformer config, a stand-in prompt table): the teacher's
-    row is its parameters in bf16, counted independently from the loaded transformer."""
+    row is its parameters in bf16, counted independently from the loaded transformer. The evaluation (SD3 splits
+    it over the ranks) holds the teacher the same way, for its reference samples; a checkpoint holds both groups'
+    state at once (the critic saving beside the awake actor): the actor's as the convert stage holds it, and the
+    critic's as it scores."""
     teacher = build_tiny_sd3_pipeline(tmp_path / "teacher")
     config = load_recipe("recipes/sd35-medium-4step.toml").replace("model", teacher=str(teacher)).replace(
         "data", resolution=16).replace("train", world_size=1, rollout_batch_size=10)
@@ -85,7 +94,12 @@ def test_an_sd3_pipeline_is_planned_from_its_configs_with_a_bf16_teacher(tmp_pat
     score = next(stage for stage in plan.stages if stage.stage == "score")
     # The plan counts each storage in the CUDA allocator's 512-byte blocks.
     assert teacher_bytes <= score.by_category["teacher"] <= teacher_bytes + 512 * len(tensors)
-    assert [stage.stage for stage in plan.stages] == list(STAGES)
+    assert [stage.stage for stage in plan.stages] == [*STAGES, *OUTPUT_STAGES]
+    stages = {stage.stage: stage.by_category for stage in plan.stages}
+    assert stages["evaluate"]["teacher"] == score.by_category["teacher"] and stages["evaluate"]["temporaries"] > 0
+    for part in ("weights", "optimizer"):  # the actor's alone (convert) and the critic's alone (score)
+        assert stages["checkpoint"][part] == stages["convert"][part] + stages["score"][part] > 0
+    assert stages["checkpoint"]["teacher"] == 0  # parked: it comes to the GPU only to score
 
 
 def test_distill_refuses_a_recipe_too_large_for_this_machine_before_any_group_or_mlflow_run(prefect_server,

@@ -82,6 +82,12 @@ class DigitsFamily(ModelFamily):
 
         return DigitsStudentEvaluator.build(config, cache_dir)
 
+    def evaluation_samples(self, config: DistillConfig) -> int:
+        """The yardstick's, sampled in one batch, or the grid's after them if it is larger."""
+        from dmd2.families.digits.evaluation import GRID_LABELS
+
+        return max(config.eval.num_samples, len(GRID_LABELS))
+
     def export(self, student: nn.Module, config: DistillConfig, out_dir: Path, card: dict[str, Any]) -> None:
         """The UNet's `save_pretrained` directory; a LoRA student's is the merged UNet, with its adapter alone
         in `lora/` (peft's format, over the student's init: `PeftModel.from_pretrained(teacher, out_dir / "lora")`)."""

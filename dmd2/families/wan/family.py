@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from dmd2.config import ConfigError, DistillConfig
 from dmd2.family import ModelFamily, RunSpec
-from dmd2.prompt_file import read_prompts
+from dmd2.prompt_file import eval_prompts, eval_set_rows, read_prompts
 from dmd2.families.wan.checks import check_student_expert
 from dmd2.families.wan.pipeline import (check_sequence_split, experts, flow_shift_of, is_wan_pipeline, latent_shape,
                                        video_size)
@@ -28,8 +28,6 @@ from dmd2.families.wan.prompts import WanPromptTable, table_key
 from dmd2.model import DiffusersVelocity, VelocityFn
 from dmd2.pipeline_files import read_json
 from dmd2.prompt_index import PromptIndices, TableVelocity, table_dtype
-
-EVAL_PROMPTS_DEFAULT = 4  # the first prompts of [data] prompts make the eval set when [eval] prompts is unset
 
 
 def _local(spec: str) -> str:
@@ -69,7 +67,10 @@ class WanFamily(ModelFamily):
             critic_load=model.critic_load and _local(model.critic_load))
 
     def eval_prompts(self, config: DistillConfig) -> list[str]:
-        return list(config.eval.prompts) or read_prompts(config.data.prompts)[:EVAL_PROMPTS_DEFAULT]
+        return eval_prompts(config)
+
+    def evaluation_samples(self, config: DistillConfig) -> int:
+        return eval_set_rows(config)
 
     def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
         shape = latent_shape(config.model.teacher, *video_size(config.data))

@@ -22,9 +22,10 @@ from dmd2.config import config_from_dict
 from dmd2.families.digits.model import build_digits_unet
 from dmd2.family import family_for
 from infra.trainers.flops import CPU_ATTENTION_FLOPS, FlopCount
-from infra.trainers.memory_plan import STAGES, Parking, gpu_models, plan_memory, rehearse
+from infra.trainers.memory_plan import plan_memory
 from infra.trainers.offload import HostCopy, own_storage
 from infra.trainers.parallel import ddp, free_port, replicated
+from infra.trainers.rehearsal import OUTPUT_STAGES, STAGES, Parking, gpu_models, rehearse, rehearse_outputs
 
 TOLERANCE = 0.10
 
@@ -131,6 +132,7 @@ def measured(spec) -> tuple[dict[str, int], dict[str, int]]:
         wrap = (lambda module: ddp(module, torch.device("cpu"))) if replicated(spec.config) else None  # DDP's own
         gpu = gpu_models(spec, lambda path, dtype: own_storage(family.load_model(path, dtype)), wrap=wrap)
         rehearse(gpu, stage, parking)
+        rehearse_outputs(gpu, stage, parking)
     totals = allocations(prof)
     peaks = {}
     for name, (start, end, host) in windows.items():
@@ -145,10 +147,11 @@ def test_each_stages_planned_peak_is_within_10_percent_of_the_measured_one(teach
     plan = plan_memory(spec)
     with gloo_world_of_one() if parallel == "fsdp" else nullcontext():
         real, real_flops = measured(spec)
-    assert [stage.stage for stage in plan.stages] == list(STAGES) and set(real) == set(STAGES)
+    assert [stage.stage for stage in plan.stages] == list(real) == [*STAGES, *OUTPUT_STAGES]
     for stage in plan.stages:
         assert abs(stage.peak - real[stage.stage]) <= TOLERANCE * real[stage.stage], (stage, real)
-    assert plan.flops == real_flops and real_flops["critic-train"] > real_flops["actor-train"] > 0
+    assert plan.flops == {name: real_flops[name] for name in STAGES}  # a rollout's; evaluations come now and then
+    assert real_flops["critic-train"] > real_flops["actor-train"] > 0
 
 
 def _measure_rank(rank: int, port: int, teacher: str, parallel: str, out: str) -> None:
