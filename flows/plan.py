@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from dmd2.config import ConfigError, DistillConfig, load_recipe, parse_overrides
+from dmd2.config_rules import SHARDED
 from flows.recipe import DEFAULT_RECIPE, RECIPES
 
 logger = logging.getLogger(__name__)
@@ -93,8 +94,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     share = peak.peak / args.gpu_memory
     print(f"\npeak {peak.peak / GiB:.1f} GiB per GPU, in {peak.stage}: {share:.0%} of {args.gpu_memory / GiB:.0f} "
           f"GiB ({RESERVE:.0%} of each GPU is kept for the CUDA context, NCCL and fragmentation)")
+    sharded = train.parallel in SHARDED
     print(f"host memory per node for sleeping groups: {plan.host_parked * gpus_per_node / GiB:.0f} GiB "
-          f"({gpus_per_node} GPU(s) x {plan.host_parked / GiB:.1f} GiB)")
+          f"({gpus_per_node} GPU(s) x {plan.host_parked / GiB:.1f} GiB); while the groups load, at most "
+          f"{plan.host_loading(gpus_per_node, sharded) / GiB:.0f} GiB ({loading(train)}); to export, "
+          f"{plan.host_export(sharded) / GiB:.1f} GiB more on the first node (the student "
+          + ("gathered, and copied" if sharded else "copied from its GPU") + ")")
     seconds = rollout_seconds(plan, args.gpu_tflops, args.mfu)
     print(f"compute: {tflop(plan.flops_per_rollout)} TFLOP per GPU per rollout; at {args.mfu:.0%} MFU of "
           f"{args.gpu_tflops:g} TFLOP/s per GPU (--mfu, --gpu-tflops) a rollout computes for {duration(seconds)}, "
@@ -113,6 +118,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"does not fit: {peak.stage} needs {peak.peak / GiB:.1f} GiB per GPU, more than the {usable / GiB:.1f} GiB "
           f"usable of {args.gpu_memory / GiB:.0f} GiB. To fit, {remedies(config, peak)}")
     return 1
+
+
+def loading(train) -> str:
+    who = "rank 0 of each group" if train.parallel in SHARDED else "every rank"
+    return f"{who} reading the trained models whole, every critic rank the teacher"
 
 
 def rollout_seconds(plan, gpu_tflops: float, mfu: float) -> float:
@@ -220,6 +230,8 @@ def as_json(plan, config: DistillConfig, args: argparse.Namespace, fits: bool, g
             "stages": {stage.stage: {"peak": stage.peak, **stage.by_category} for stage in plan.stages},
             "host_parked_per_gpu": plan.host_parked, "resident_peak": plan.resident,
             "host_per_node": plan.host_parked * gpus_per_node,
+            "host_loading_per_node": plan.host_loading(gpus_per_node, config.train.parallel in SHARDED),
+            "host_export": plan.host_export(config.train.parallel in SHARDED),
             "flops_per_gpu": plan.flops, "flops_per_rollout_per_gpu": plan.flops_per_rollout,
             "mfu": args.mfu, "gpu_tflops": args.gpu_tflops,
             "seconds_per_rollout": rollout_seconds(plan, args.gpu_tflops, args.mfu),
@@ -231,7 +243,7 @@ def as_json(plan, config: DistillConfig, args: argparse.Namespace, fits: bool, g
 # the models; not the schedule (rollouts, intervals, seed), the learning rates, evaluation or the registry.
 PLANNED_SECTIONS = ("model", "student", "dmd2", "data", "train")
 UNPLANNED_TRAIN = ("rollouts", "seed", "save_interval", "eval_interval", "keep_rollouts", "max_failures", "sleep")
-PLAN_FORMAT = 6  # of the cached plans: a plan of another format is made again
+PLAN_FORMAT = 7  # of the cached plans: a plan of another format is made again
 
 
 def cached_plan(config: DistillConfig, family, cache_dir: Path):

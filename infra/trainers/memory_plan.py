@@ -47,6 +47,8 @@ ASLEEP = {"rollout": "critic", "convert": "critic", "critic-train": "actor", "sc
 COMPUTING = {"rollout": ("actor",), "convert": (), "critic-train": ("critic",), "score": ("critic", "teacher"),
              "actor-train": ("actor",), "evaluate": ("actor", "teacher"), "checkpoint": ()}
 RESERVE = 0.10  # of each GPU, for what the figures leave out (see the module docstring)
+# A load's peak host memory over the bytes of the model it reads, at most (tests/dmd2/test_loading.py holds it).
+LOAD_OVERHEAD = 1.2
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class MemoryPlan:
     parameters: int  # the teacher's
     resident: int = 0  # the largest stage with nothing asleep: both groups and the teacher on the GPU (sleep = never)
     flops: dict[str, int] = dataclasses.field(default_factory=dict)  # per stage, one GPU, one whole rollout
+    whole: dict[str, int] = dataclasses.field(default_factory=dict)  # each model's bytes, as a rank reads it whole
 
     @property
     def flops_per_rollout(self) -> int:
@@ -77,6 +80,19 @@ class MemoryPlan:
         memory, so the largest stage and everything parked meanwhile."""
         return self.peak.peak + self.host_parked
 
+    def host_loading(self, gpus_per_node: int, sharded: bool) -> int:
+        """The most host memory a node's ranks take while they load, every rank at once: each critic rank reads the
+        teacher (to its GPU, then parked), and the trained models are read whole by rank 0 of each group alone
+        (FSDP2: the others receive their shards) or by every rank (DDP); each read at `LOAD_OVERHEAD` its bytes."""
+        readers = 1 if sharded else gpus_per_node
+        trained = self.whole["actor"] + self.whole["critic"]
+        return int(LOAD_OVERHEAD * (readers * trained + gpus_per_node * self.whole["teacher"]))
+
+    def host_export(self, sharded: bool) -> int:
+        """The host memory rank 0 takes to export the student: under FSDP2 its state gathered there and the plain
+        copy made of it (`StudentOutputs.export`), else the copy safetensors writes from the device."""
+        return (2 if sharded else 1) * self.whole["actor"]
+
     def fits(self, gpu_bytes: int) -> bool:
         """Whether every stage leaves `RESERVE` of a GPU of ``gpu_bytes`` free."""
         return self.peak.peak <= (1 - RESERVE) * gpu_bytes
@@ -87,7 +103,7 @@ class MemoryPlan:
     @classmethod
     def from_dict(cls, data: dict) -> MemoryPlan:
         return cls(data["world_size"], tuple(StagePeak(**stage) for stage in data["stages"]), data["host_parked"],
-                   data["parameters"], data["resident"], data["flops"])
+                   data["parameters"], data["resident"], data["flops"], data["whole"])
 
 
 class LedgerParking(Parking):
@@ -148,7 +164,15 @@ def plan_memory(spec: RunSpec) -> MemoryPlan:
     resident = max(peak.peak + stages.parked[peak.stage] + buckets[ASLEEP[peak.stage]]
                    + (peak.by_category.get("teacher", 0) if peak.stage == "evaluate" else 0) for peak in peaks)
     flops = {name: stages.flops[name] for name in STAGES}  # a rollout's: the outputs come now and then
-    return MemoryPlan(config.train.world_size, tuple(peaks), max(stages.parked.values()), parameters, resident, flops)
+    whole = {role: _whole_bytes(gpu.module(role)) for role in ("actor", "critic")}
+    whole["teacher"] = _whole_bytes(gpu.teacher)
+    return MemoryPlan(config.train.world_size, tuple(peaks), max(stages.parked.values()), parameters, resident, flops,
+                      whole)
+
+
+def _whole_bytes(model: nn.Module) -> int:
+    """The bytes of ``model``'s parameters and buffers, whole (a DTensor's numel is the whole tensor's)."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 def gathered_ahead(model: nn.Module, dtype: torch.dtype | None) -> int:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dmd2.config import ConfigError, load_recipe
+from dmd2.families.digits.model import build_digits_unet
 from dmd2.families.sd3.family import SD3Family
 from dmd2.family import family_for
 from flows.cli import main
@@ -36,6 +37,13 @@ def test_the_default_recipe_fits_and_the_json_holds_every_stage(tmp_path, capsys
     assert plan["flops_per_rollout_per_gpu"] == sum(plan["flops_per_gpu"].values()) > 0
     assert plan["seconds_per_rollout"] == pytest.approx(plan["flops_per_rollout_per_gpu"] / 50e12)
     assert "at 50% MFU of 100 TFLOP/s per GPU" in printed
+    # Loading (DDP, one GPU): its rank reads the student's, the critic's and the teacher's digits UNet, each whole
+    # in fp32, at most 1.2 times its bytes (the bound tests/dmd2/test_loading.py measures).
+    unet = build_digits_unet()
+    whole = sum(t.numel() * t.element_size() for t in [*unet.parameters(), *unet.buffers()])
+    assert plan["host_loading_per_node"] == int(1.2 * 3 * whole)
+    assert f"while the groups load, at most {int(1.2 * 3 * whole) / GiB:.0f} GiB" in printed
+    assert plan["host_export"] == whole  # DDP: the student copied from its GPU as safetensors writes it
 
 
 @pytest.mark.parametrize("overrides, stage, fixes", [
