@@ -16,7 +16,7 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -59,6 +59,27 @@ def on_device(model: nn.Module, device: torch.device) -> Iterator[nn.Module]:
         yield model
     finally:
         model.to("cpu")
+
+
+EVAL_PROMPTS_DEFAULT = 4  # the first prompts of [data] prompts make the eval set when [eval] prompts is unset
+
+
+def eval_prompts(config: DistillConfig) -> list[str]:
+    """The eval set's prompts: `[eval] prompts`, else the first of `[data] prompts`."""
+    return list(config.eval.prompts) or read_prompts(config.data.prompts)[:EVAL_PROMPTS_DEFAULT]
+
+
+def eval_batch(config: DistillConfig, share: int) -> int:
+    """How many of a rank's ``share`` of the eval set it samples at once: at most a critic step's batch (`[train]`'s
+    B per GPU), each row from the noise it has in the whole evaluation."""
+    return max(1, min(share, config.critic_batch_size))
+
+
+def planned_eval_batch(config: DistillConfig) -> int:
+    """`eval_batch` of the largest share, from the options alone (`dmd2 plan` reads no prompt file): with `[eval]
+    prompts` unset, of as many prompts as the set can take."""
+    rows = (len(config.eval.prompts) or EVAL_PROMPTS_DEFAULT) * config.eval.samples_per_prompt
+    return eval_batch(config, -(-rows // config.train.data_ranks))
 
 
 @dataclass
@@ -108,9 +129,9 @@ class PromptSetEvaluator:
         whole evaluation; `score` takes every rank's, in rank order."""
         rows, kept = self._rows(rank, world_size)
         cond, neg = self.conds()
-        latents = generate(student, cond, neg, self.latent_shape(), sampler="student",
-                           num_steps=self.config.student.num_steps, shift=self.config.student.grid_shift,
-                           seed=self.config.train.seed, clamp=False, rows=rows)
+        latents = self._in_batches(rows, lambda part: generate(
+            student, cond, neg, self.latent_shape(), sampler="student", num_steps=self.config.student.num_steps,
+            shift=self.config.student.grid_shift, seed=self.config.train.seed, clamp=False, rows=part))
         return latents if kept else latents[:0]
 
     @torch.no_grad()
@@ -129,11 +150,19 @@ class PromptSetEvaluator:
         grids = {"reference": (self.config.eval.reference_steps, seed + REFERENCE_SEED_OFFSET),
                  "baseline": (self.config.student.num_steps, seed)}
         for name, (steps, noise_seed) in grids.items():
-            latents = generate(teacher, cond, neg, self.latent_shape(), sampler="teacher", num_steps=steps,
-                               guidance_scale=self.config.dmd2.teacher_guidance_scale,
-                               shift=self.config.student.grid_shift, seed=noise_seed, clamp=False, rows=rows)
-            samples[name] = latents.cpu() if kept else latents[:0].cpu()
+            latents = self._in_batches(rows, lambda part: generate(
+                teacher, cond, neg, self.latent_shape(), sampler="teacher", num_steps=steps,
+                guidance_scale=self.config.dmd2.teacher_guidance_scale, shift=self.config.student.grid_shift,
+                seed=noise_seed, clamp=False, rows=part).cpu())
+            samples[name] = latents if kept else latents[:0]
         return samples
+
+    def _in_batches(self, rows: slice, sample: Callable[[slice], Tensor]) -> Tensor:
+        """``sample(part)`` of each part of ``rows`` in turn, concatenated: parts of `eval_batch` rows, so that an
+        evaluation holds no more of a GPU than a critic step's forward does (`dmd2 plan`'s evaluate row)."""
+        size = eval_batch(self.config, rows.stop - rows.start)
+        return torch.cat([sample(slice(start, min(start + size, rows.stop)))
+                          for start in range(rows.start, rows.stop, size)])
 
     def teacher_samples(self) -> dict[str, Tensor]:
         """The teacher's own latents: "reference" at `[eval] reference_steps` from noise of its own (what the KIDs

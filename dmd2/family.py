@@ -256,9 +256,9 @@ class ModelFamily:
         """This family bound (`bind`) to prepared inputs of their real shapes, zero-filled (fake under `dmd2 plan`)."""
         return self.bind({}, device)
 
-    def evaluation_samples(self, config: DistillConfig) -> int:
-        """How many samples an evaluation makes with the student, every rank's share together, from the options
-        alone: `dmd2 plan` rehearses one rank's share."""
+    def evaluation_batch(self, config: DistillConfig) -> int:
+        """How many samples an evaluation runs through the student at once on the GPU that samples the most, from
+        the options alone: what `dmd2 plan` rehearses."""
         raise NotImplementedError
 
     def conditioning_tensors(self) -> list[Tensor]:

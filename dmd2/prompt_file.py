@@ -45,16 +45,3 @@ def read_prompts(path: str | Path) -> list[str]:
         raise _prompt_error(path, "holds no prompt; write one prompt a line (blank lines are skipped)")
     return prompts
 
-
-EVAL_PROMPTS_DEFAULT = 4  # the first prompts of [data] prompts make the eval set when [eval] prompts is unset
-
-
-def eval_prompts(config) -> list[str]:
-    """The prompts of a text family's eval set: `[eval] prompts`, else the first of `[data] prompts`."""
-    return list(config.eval.prompts) or read_prompts(config.data.prompts)[:EVAL_PROMPTS_DEFAULT]
-
-
-def eval_set_rows(config) -> int:
-    """The samples of that eval set, from the options alone (`dmd2 plan` reads no prompt file): with `[eval] prompts`
-    unset, as many as the most prompts it can take."""
-    return (len(config.eval.prompts) or EVAL_PROMPTS_DEFAULT) * config.eval.samples_per_prompt

@@ -23,12 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from dmd2.config import ConfigError, DistillConfig
+from dmd2.eval_set import eval_prompts, planned_eval_batch
 from dmd2.family import ModelFamily, RunSpec
 from dmd2.flow_pipeline import files
 from dmd2.flow_pipeline.export import CardText
 from dmd2.flow_pipeline.prompts import PromptTable
 from dmd2.pipeline_files import prompts_digest
-from dmd2.prompt_file import eval_prompts, eval_set_rows, read_prompts
+from dmd2.prompt_file import read_prompts
 from dmd2.prompt_index import PromptIndices, table_dtype
 
 
@@ -118,8 +119,8 @@ class PipelineFamily(ModelFamily):
     def eval_prompts(self, config: DistillConfig) -> list[str]:
         return eval_prompts(config)
 
-    def evaluation_samples(self, config: DistillConfig) -> int:
-        return eval_set_rows(config)
+    def evaluation_batch(self, config: DistillConfig) -> int:
+        return planned_eval_batch(config)
 
     def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
         shape = self.sample_shape(config.model.teacher, config)

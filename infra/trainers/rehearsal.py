@@ -200,14 +200,14 @@ def rehearse_outputs(gpu: GpuModels, stage: Callable[[str], AbstractContextManag
     "evaluate", as `StudentOutputs.evaluate` holds the GPU: a family that splits its evaluation samples this rank's
     share, the teacher's reference samples (the run's first evaluation loads the teacher whole, in its dtype, as the
     critic's parked one is here) and the student's, with the actor as held; any other samples all of it on rank 0
-    with a whole copy of the student (under FSDP2 gathered beside the shards). One step of each sampler: every step
-    holds what the first does. Decoding and the judges (rank 0, small models) are not rehearsed.
+    with a whole copy of the student (under FSDP2 gathered beside the shards). One batch (`evaluation_batch`) and
+    one step of each sampler: every other holds what the first does. Decoding and the judges (rank 0, small
+    models) are not rehearsed.
     "checkpoint", as `save_groups`: the critic saves first, woken beside the awake actor (DCP copies each tensor to
     host memory as it writes it), and sleeps again."""
     spec, device = gpu.spec, gpu.device
     config, family = spec.config, spec.family
-    total = family.evaluation_samples(config)
-    rows = -(-total // config.train.data_ranks) if family.splits_evaluation else total
+    rows = family.evaluation_batch(config)
     with on_host():
         cond, neg = spec.conds(RolloutDraws(config.train.seed, 0, rows), torch.arange(rows))
     sample = dict(cond=cond, neg_cond=neg, sample_shape=spec.sample_shape, num_steps=1, clamp=False)

@@ -82,8 +82,8 @@ class DigitsFamily(ModelFamily):
 
         return DigitsStudentEvaluator.build(config, cache_dir)
 
-    def evaluation_samples(self, config: DistillConfig) -> int:
-        """The yardstick's, sampled in one batch, or the grid's after them if it is larger."""
+    def evaluation_batch(self, config: DistillConfig) -> int:
+        """The yardstick's samples, in one batch on rank 0, or the grid's after them if it is larger."""
         from dmd2.families.digits.evaluation import GRID_LABELS
 
         return max(config.eval.num_samples, len(GRID_LABELS))

@@ -19,8 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from dmd2.config import ConfigError, DistillConfig
+from dmd2.eval_set import eval_prompts, planned_eval_batch
 from dmd2.family import ModelFamily, RunSpec
-from dmd2.prompt_file import eval_prompts, eval_set_rows, read_prompts
+from dmd2.prompt_file import read_prompts
 from dmd2.families.wan.checks import check_student_expert
 from dmd2.families.wan.pipeline import (check_sequence_split, experts, flow_shift_of, is_wan_pipeline, latent_shape,
                                        video_size)
@@ -69,8 +70,8 @@ class WanFamily(ModelFamily):
     def eval_prompts(self, config: DistillConfig) -> list[str]:
         return eval_prompts(config)
 
-    def evaluation_samples(self, config: DistillConfig) -> int:
-        return eval_set_rows(config)
+    def evaluation_batch(self, config: DistillConfig) -> int:
+        return planned_eval_batch(config)
 
     def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
         shape = latent_shape(config.model.teacher, *video_size(config.data))
