@@ -211,6 +211,9 @@ class DataConfig:
     height: int = option(0, "Video: height in pixels; 0: `resolution` when set (the square shorthand), else the "
                             "family's default (Wan: 480).")
     width: int = option(0, "Video: width in pixels; 0: `resolution` when set, else the family's default (Wan: 832).")
+    prepare_workers: int = option(0, "Text families: Ray workers that encode the prompts at once, each a part of "
+                                     "them on a GPU of its own where the cluster has GPUs; 0: one per GPU of the "
+                                     "cluster (one without GPUs). The table is the same whatever their number.")
     images: str = option("", "SD3: a folder of real images (png, jpg, jpeg, webp) for the GAN's discriminator, "
                              "required by `[dmd2] critic_gan_weight` > 0; a same-named `.txt` beside an image is "
                              "its caption (else the empty prompt). Center-cropped, resized to `resolution` and "

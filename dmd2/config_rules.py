@@ -125,6 +125,8 @@ def validate(config: "DistillConfig") -> None:
     for option in ("frames", "height", "width"):
         value = getattr(config.data, option)
         _check(value >= 0, f"[data] {option} must be >= 0 (0: the model's default), got {value}")
+    _check(config.data.prepare_workers >= 0, f"[data] prepare_workers must be >= 0 (0: one per GPU of the cluster), "
+                                             f"got {config.data.prepare_workers}")
     _check(1 <= config.data.max_sequence_length <= 512, f"[data] max_sequence_length must be in 1..512 (T5 "
            f"tokens per prompt; SD3's default 256), got {config.data.max_sequence_length}")
     _check(train.keep_rollouts >= 0,

@@ -220,9 +220,18 @@ class ModelFamily:
         """A digest naming what `prepare` makes from this config (its inputs' contents), or None if nothing."""
         return None
 
-    def prepare(self, config: DistillConfig) -> dict[str, dict[str, Tensor]]:
-        """The once-per-run inputs, as named tensor tables (e.g. the encoded prompts)."""
+    def prepare(self, config: DistillConfig, part: tuple[int, int] = (0, 1)) -> dict[str, dict[str, Tensor]]:
+        """The once-per-run inputs, as named tensor tables (e.g. the encoded prompts); with ``part`` = (i, n) the i-th
+        of n parts that n workers make at once (`[data] prepare_workers`): the prompt table's rows of that part
+        (`dmd2.prompt_index.table_part`; {} when it has none), and everything else in part 0."""
         raise NotImplementedError
+
+    def merge_prepared(self, parts: list[dict[str, dict[str, Tensor]]]) -> dict[str, dict[str, Tensor]]:
+        """`prepare`'s inputs whole from its parts, in order: what one worker makes. Here the tables of "prompts"
+        are concatenated (`dmd2.prompt_index.merge_tables`) and the rest is part 0's."""
+        from dmd2.prompt_index import merge_tables
+
+        return {**parts[0], "prompts": merge_tables([part.get("prompts", {}) for part in parts])}
 
     def bind(self, prepared: dict[str, dict[str, Tensor]], device: torch.device | str = "cpu") -> ModelFamily:
         """This family holding the prepared inputs on `device` (on the ranks, before any model call:

@@ -60,3 +60,29 @@ def table_dtype(config: DistillConfig) -> torch.dtype:
     (autocast, or the teacher's bf16 weights), which rounds fp32 ones to exactly these values."""
     return torch.bfloat16 if config.train.mixed_precision == "bf16" else torch.float32
 
+
+
+ENCODE_BATCH = 8  # prompts per text-encoder call; parts of a table (`table_part`) are whole batches of it
+NEGATIVE_PREFIX = "negative_"  # a table's tensors of the negative prompt's one row
+
+
+def table_part(rows: list[str], part: tuple[int, int]) -> list[str]:
+    """Part i of n of a prompt table's ``rows``, which one worker encodes (`ModelFamily.prepare`): whole encoder
+    batches, so each row is encoded in the very batch one encoding of every row puts it in, as evenly as the batches
+    divide (the last parts are empty when there are fewer batches than parts)."""
+    index, count = part
+    if not 0 <= index < count:
+        raise ValueError(f"part {index} of {count}: expected 0 <= part < count")
+    base, extra = divmod(-(-len(rows) // ENCODE_BATCH), count)  # the first `extra` parts take one batch more
+    start, stop = ((at * base + min(at, extra)) * ENCODE_BATCH for at in (index, index + 1))
+    return rows[start:stop]
+
+
+def merge_tables(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """One prompt table of the parts' rows, in order: what one encoding of every row makes. Every part encodes the
+    negative prompt's row (`NEGATIVE_PREFIX`); the first's is kept. Empty parts (no rows) are skipped."""
+    parts = [part for part in parts if part]
+    if not parts:
+        raise ValueError("no part of the prompt table holds a row")
+    return {name: tensor if name.startswith(NEGATIVE_PREFIX) else torch.cat([part[name] for part in parts])
+            for name, tensor in parts[0].items()}

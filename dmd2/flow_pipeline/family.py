@@ -30,7 +30,7 @@ from dmd2.flow_pipeline.export import CardText
 from dmd2.flow_pipeline.prompts import PromptTable
 from dmd2.pipeline_files import prompts_digest
 from dmd2.prompt_file import read_prompts
-from dmd2.prompt_index import PromptIndices, table_dtype
+from dmd2.prompt_index import PromptIndices, table_dtype, table_part
 
 
 @dataclass(frozen=True)
@@ -146,13 +146,18 @@ class PipelineFamily(ModelFamily):
         return pipeline_class.from_pretrained(teacher, transformer=None, vae=None, dtype=torch.float32,
                                               low_cpu_mem_usage=False, use_safetensors=True)
 
-    def prepare(self, config: DistillConfig) -> dict[str, dict[str, Tensor]]:
+    def prepare(self, config: DistillConfig, part: tuple[int, int] = (0, 1)) -> dict[str, dict[str, Tensor]]:
         """{"prompts": the table (training prompts, then eval prompts)}, encoded by the pipeline's text encoders."""
+        rows = table_part(read_prompts(config.data.prompts) + self.eval_prompts(config), part)
+        return {"prompts": self.encode_table(config, rows)} if rows else {}
+
+    def encode_table(self, config: DistillConfig, rows: list[str]) -> dict[str, Tensor]:
+        """The prompt table of ``rows`` (and the negative prompt's row) in `table_dtype`, on the pipeline's text
+        encoders (on the GPU where there is one)."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
         pipeline = self.load_text_pipeline(config.model.teacher).to(device)
-        table = self.encode_prompts(pipeline, read_prompts(config.data.prompts) + self.eval_prompts(config),
-                                    config.data.negative_prompt, config.data.max_sequence_length)
-        return {"prompts": {name: embeds.to(table_dtype(config)) for name, embeds in table.items()}}
+        table = self.encode_prompts(pipeline, rows, config.data.negative_prompt, config.data.max_sequence_length)
+        return {name: embeds.to(table_dtype(config)) for name, embeds in table.items()}
 
     def bind(self, prepared: dict[str, dict[str, Tensor]], device: torch.device | str = "cpu") -> "PipelineFamily":
         """The prompt table in host memory whatever the device: a model call moves only its batch's rows to the

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from dmd2.model import Cond
-from dmd2.prompt_index import NEGATIVE
+from dmd2.prompt_index import ENCODE_BATCH, NEGATIVE
 from dmd2.tensors import is_fake, on_host
 
 Encode = Callable[[list[str]], tuple[Tensor, ...]]  # prompts -> the pipeline's embeddings of them, on CPU
@@ -34,7 +34,7 @@ def check_indices(index: Tensor, size: int) -> None:
 
 @torch.no_grad()  # encode_prompt itself records autograd graphs
 def encode_rows(encode: Encode, prompts: list[str], negative_prompt: str, names: tuple[str, ...],
-                batch_size: int = 8) -> dict[str, Tensor]:
+                batch_size: int = ENCODE_BATCH) -> dict[str, Tensor]:
     """The table {name: [P, ...]} of P prompts, and {"negative_" + name: [1, ...]} of the negative prompt, from
     `encode` (the pipeline's `encode_prompt`, its outputs named `names`). The prompts go in batches of `batch_size` and
     the negative prompt as its own row: every encoder pads to a fixed length, so a row does not depend on its batch."""

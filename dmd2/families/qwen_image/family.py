@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from dmd2.config import DistillConfig
 from dmd2.family import RunSpec
 from dmd2.families.qwen_image import pipeline
-from dmd2.families.qwen_image.prompts import QwenPromptTable, encode_prompt_table
+from dmd2.families.qwen_image.prompts import QwenPromptTable, encode_prompt_table, merge_parts
 from dmd2.flow_pipeline.export import CardText
 from dmd2.flow_pipeline.family import PipelineFamily
 from dmd2.model import VelocityFn
@@ -51,6 +51,10 @@ class QwenImageFamily(PipelineFamily):
     def encode_prompts(self, pipe: Any, prompts: list[str], negative_prompt: str,
                        max_sequence_length: int) -> dict[str, Tensor]:
         return encode_prompt_table(pipe, prompts, negative_prompt, max_sequence_length)
+
+    def merge_prepared(self, parts: list[dict[str, dict[str, Tensor]]]) -> dict[str, dict[str, Tensor]]:
+        """The parts' tables, each cut to its own longest row, padded to the longest of them all and concatenated."""
+        return {"prompts": merge_parts([part.get("prompts", {}) for part in parts])}
 
     def table_from(self, tensors: dict[str, Tensor]) -> QwenPromptTable:
         return QwenPromptTable.from_tensors(tensors)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from dmd2.flow_pipeline.prompts import check_indices, encode_rows
 from dmd2.model import Cond
-from dmd2.prompt_index import NEGATIVE
+from dmd2.prompt_index import NEGATIVE, merge_tables
 
 
 def _padded(embeds: Tensor, mask: Tensor | None, length: int) -> tuple[Tensor, Tensor]:
@@ -37,6 +37,20 @@ def encode_prompt_table(pipeline: Any, prompts: list[str], negative_prompt: str,
     table = encode_rows(encode, prompts, negative_prompt, ("prompt_embeds", "prompt_embeds_mask"))
     length = int(torch.cat([table["prompt_embeds_mask"], table["negative_prompt_embeds_mask"]]).sum(1).max())
     return {name: tensor[:, :length] for name, tensor in table.items()}  # the padding no row needs, cut
+
+
+def merge_parts(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """One table of the parts' rows (`dmd2.prompt_index.merge_tables`), each part padded with zeros from its own
+    longest row to the longest of them all: what one encoding of every row makes (it pads to `max_sequence_length`,
+    then cuts what no row needs)."""
+    parts = [part for part in parts if part]
+    length = max(part["prompt_embeds"].shape[1] for part in parts)
+    padded = []
+    for part in parts:
+        pairs = [("prompt_embeds", "prompt_embeds_mask"), ("negative_prompt_embeds", "negative_prompt_embeds_mask")]
+        padded.append({name: tensor.to(part[name].dtype) for embeds, mask in pairs  # the mask in the table's dtype
+                       for name, tensor in zip((embeds, mask), _padded(part[embeds], part[mask], length))})
+    return merge_tables(padded)
 
 
 @dataclass(frozen=True)

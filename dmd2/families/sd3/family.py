@@ -34,7 +34,7 @@ from dmd2.families.sd3.real_images import caption_rows, images_digest
 from dmd2.flow_pipeline.family import PipelineFamily
 from dmd2.gan import GanTap, RealSamples
 from dmd2.model import DiffusersVelocity, VelocityFn
-from dmd2.prompt_index import PromptIndices, table_dtype  # noqa: F401 (re-exported)
+from dmd2.prompt_index import PromptIndices, table_dtype, table_part  # noqa: F401 (re-exported)
 
 @dataclass(frozen=True)
 class SD3Family(PipelineFamily):
@@ -127,22 +127,19 @@ class SD3Family(PipelineFamily):
         vae = components_fingerprint(config.model.teacher, ["vae"])
         return hashlib.sha256(f"{key} {images_digest(images, config.data.resolution, vae)}".encode()).hexdigest()
 
-    def prepare(self, config: DistillConfig) -> dict[str, dict[str, Tensor]]:
+    def prepare(self, config: DistillConfig, part: tuple[int, int] = (0, 1)) -> dict[str, dict[str, Tensor]]:
         """{"prompts": the table (training prompts, eval prompts, then the captions not among them)}, and with
-        `[data] images`, {"real": {"latents": [N, C, h, w] float32, "prompt_index": [N] the captions' rows}}."""
+        `[data] images`, {"real": {"latents": [N, C, h, w] float32, "prompt_index": [N] the captions' rows}} (part
+        0's)."""
         from dmd2.families.sd3.real_images import encode_images, load_vae
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         images = self.real_images(config)
         rows, caption_index = caption_rows(read_prompts(config.data.prompts) + self.eval_prompts(config),
                                            [image.caption for image in images])
-        pipeline = self.load_text_pipeline(config.model.teacher).to(device)
-        table = encode_prompt_table(pipeline, rows, config.data.negative_prompt,
-                                    max_sequence_length=config.data.max_sequence_length)
-        prepared = {"prompts": {name: embeds.to(table_dtype(config)) for name, embeds in table.items()}}
-        del pipeline  # the text encoders leave the device before the VAE comes
-        if images:
-            vae = load_vae(config.model.teacher).to(device)
+        rows = table_part(rows, part)
+        prepared = {"prompts": self.encode_table(config, rows)} if rows else {}  # its text encoders gone after
+        if images and part[0] == 0:
+            vae = load_vae(config.model.teacher).to("cuda" if torch.cuda.is_available() else "cpu")
             latents = encode_images(vae, [image.path for image in images], config.data.resolution)
             prepared["real"] = {"latents": latents, "prompt_index": caption_index}
         return prepared

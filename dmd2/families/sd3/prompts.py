@@ -17,6 +17,7 @@ from dmd2.families.sd3.pipeline import check_sd3_pipeline
 from dmd2.flow_pipeline import files
 from dmd2.flow_pipeline.prompts import encode_rows
 from dmd2.pipeline_files import CHUNK_BYTES, file_sha256, prompts_digest  # noqa: F401 (re-exported)
+from dmd2.prompt_index import ENCODE_BATCH
 from dmd2.families.sd3.prompt_file import read_prompts  # noqa: F401 (re-exported: the prompts as read)
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline's default T5 length
@@ -36,7 +37,7 @@ def components_fingerprint(pipeline_dir: str | Path, names: list[str]) -> str:
     return files.components_fingerprint(pipeline_dir, check_sd3_pipeline(pipeline_dir), names)
 
 
-def encode_prompt_table(pipeline: Any, prompts: list[str], negative_prompt: str, batch_size: int = 8,
+def encode_prompt_table(pipeline: Any, prompts: list[str], negative_prompt: str, batch_size: int = ENCODE_BATCH,
                         max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH) -> dict[str, Tensor]:
     """Encode P prompts and the negative prompt with the pipeline's own `encode_prompt`.
 

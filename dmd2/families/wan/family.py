@@ -28,7 +28,7 @@ from dmd2.families.wan.pipeline import (check_sequence_split, experts, flow_shif
 from dmd2.families.wan.prompts import WanPromptTable, table_key
 from dmd2.model import DiffusersVelocity, VelocityFn
 from dmd2.pipeline_files import read_json
-from dmd2.prompt_index import PromptIndices, TableVelocity, table_dtype
+from dmd2.prompt_index import PromptIndices, TableVelocity, table_dtype, table_part
 
 
 def _local(spec: str) -> str:
@@ -110,14 +110,15 @@ class WanFamily(ModelFamily):
         return table_key(prompts, config.data.negative_prompt, config.model.teacher, config.data.max_sequence_length,
                          table_dtype(config))
 
-    def prepare(self, config: DistillConfig) -> dict[str, dict[str, Tensor]]:
+    def prepare(self, config: DistillConfig, part: tuple[int, int] = (0, 1)) -> dict[str, dict[str, Tensor]]:
         """{"prompts": the table (training prompts, then eval prompts)}, encoded by the pipeline's UMT5."""
         from dmd2.families.wan.prompts import encode_prompt_table, load_text_pipeline
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        pipeline = load_text_pipeline(config.model.teacher).to(device)
-        table = encode_prompt_table(pipeline, read_prompts(config.data.prompts) + self.eval_prompts(config),
-                                    config.data.negative_prompt, config.data.max_sequence_length)
+        rows = table_part(read_prompts(config.data.prompts) + self.eval_prompts(config), part)
+        if not rows:
+            return {}
+        pipeline = load_text_pipeline(config.model.teacher).to("cuda" if torch.cuda.is_available() else "cpu")
+        table = encode_prompt_table(pipeline, rows, config.data.negative_prompt, config.data.max_sequence_length)
         return {"prompts": {name: embeds.to(table_dtype(config)) for name, embeds in table.items()}}
 
     def bind(self, prepared: dict[str, dict[str, Tensor]], device: torch.device | str = "cpu") -> "WanFamily":

@@ -19,7 +19,7 @@ from torch import Tensor
 from dmd2.families.wan.pipeline import check_wan_pipeline
 from dmd2.model import Cond
 from dmd2.pipeline_files import file_sha256, prompts_digest
-from dmd2.prompt_index import NEGATIVE
+from dmd2.prompt_index import ENCODE_BATCH, NEGATIVE
 from dmd2.tensors import is_fake, on_host
 
 TEXT_COMPONENTS = ("text_encoder", "tokenizer")
@@ -57,7 +57,7 @@ def load_text_pipeline(path: str | Path, dtype: torch.dtype = torch.float32) -> 
 
 @torch.no_grad()  # encode_prompt records autograd graphs otherwise
 def encode_prompt_table(pipeline: Any, prompts: list[str], negative_prompt: str, max_sequence_length: int,
-                        batch_size: int = 8) -> dict[str, Tensor]:
+                        batch_size: int = ENCODE_BATCH) -> dict[str, Tensor]:
     """{"prompt_embeds": [P, L, D], "negative_prompt_embeds": [1, L, D]} on CPU, by `pipeline.encode_prompt`
     (L = max_sequence_length: UMT5's states past a prompt's tokens are zeroed by the pipeline, so a row does not
     depend on its batch)."""

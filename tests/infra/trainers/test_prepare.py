@@ -1,16 +1,22 @@
-"""The prepared tables reach a node's ranks as one copy: every process maps the same files, downloaded once."""
+"""The prepared tables: made by one worker or several at once (the same table), and reaching a node's ranks as one
+copy (every process maps the same files, downloaded once)."""
 
+import logging
 import multiprocessing
 import re
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
+from dmd2.config import config_from_dict
 from dmd2.families.sd3.conditioning import PromptTable
+from dmd2.families.sd3.family import SD3Family
 from infra.store import ArtifactStore
-from infra.trainers.prepare import load_prepared
+from infra.trainers.prepare import store_prepared, load_prepared, prepare_inputs
+from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_sd3_pipeline
 
 PROMPTS, LENGTH, WIDTH = 64, 77, 1024  # 20 MB of embeddings (4 bytes each)
 BATCH = [3, 17, 40, -1]
@@ -67,3 +73,21 @@ def test_the_ranks_of_a_node_map_one_downloaded_copy_and_read_only_their_batches
     shutil.rmtree(tmp_path / "store")  # a later run on the node reads the copy, not the store
     again = load_prepared(ArtifactStore(str(tmp_path / "store")), ref, cache)["prompts"]
     assert torch.equal(again["prompt_embeds"], expected["prompt_embeds"])
+
+
+@pytest.mark.slow  # two Ray tasks encoding at once, and one merging
+def test_two_workers_each_encoding_a_part_store_the_table_one_worker_stores(shared_ray, tmp_path, caplog):
+    """`[data] prepare_workers = 2` on the tiny SD3 pipeline (20 prompts and 4 eval rows: 3 encoder batches, 2 + 1):
+    the stored directory is the one a single worker stores, byte for byte (the same manifest digest)."""
+    teacher = build_tiny_sd3_pipeline(tmp_path / "teacher")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"a photo of cat number {i}" for i in range(20)) + "\n")
+    config = config_from_dict({"model": {"family": "sd3", "teacher": str(teacher)},
+                               "data": {"prompts": str(prompts), "max_sequence_length": 8}})
+    key = SD3Family().prepared_key(config)
+    one = store_prepared(SD3Family(), config, ArtifactStore(str(tmp_path / "one")), key)  # one worker: this process
+    with caplog.at_level(logging.INFO, logger="infra.trainers.prepare"):
+        two, made = prepare_inputs(SD3Family(), config.replace("data", prepare_workers=2),
+                                   ArtifactStore(str(tmp_path / "two")))
+    assert made and "preparing the inputs on 2 workers" in caplog.text
+    assert two.sha256 == one.sha256 and two.nbytes == one.nbytes

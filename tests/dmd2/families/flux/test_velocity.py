@@ -8,6 +8,7 @@ from dmd2.config import config_from_dict
 from dmd2.families.flux.family import FluxFamily
 from dmd2.model import guided
 from dmd2.prompt_index import negative_indices, prompt_indices
+from tests.dmd2.families.prepared_parts import assert_parts_merge_to_the_whole
 
 PROMPTS = ["a photo of a cat", "a red dog on the sign", "the blue sign"]
 TOKENS = 8
@@ -28,6 +29,16 @@ def test_the_prompt_table_is_the_pipelines_own_encoding(flux_dir, flux_pipe, tmp
         negative, negative_pooled, _ = flux_pipe.encode_prompt(["blurry"], max_sequence_length=TOKENS)
     assert torch.allclose(table["negative_prompt_embeds"], negative, atol=1e-6)
     assert torch.allclose(table["negative_pooled_prompt_embeds"], negative_pooled, atol=1e-6)
+
+
+def test_parts_encoded_by_several_workers_merge_into_the_table_one_worker_makes(flux_dir, tmp_path):
+    """10 prompts and the first 4 again as the eval set: 14 rows, 2 encoder batches, one per part."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(10)) + "\n")
+    config = config_from_dict({"model": {"family": "flux", "teacher": str(flux_dir)},
+                               "data": {"prompts": str(prompts), "max_sequence_length": TOKENS, "resolution": 16}})
+    parts = assert_parts_merge_to_the_whole(FluxFamily(), config, 2)
+    assert [len(part["prompts"]["prompt_embeds"]) for part in parts] == [8, 6]
 
 
 def test_the_velocity_is_the_pipelines_transformer_call(flux_dir, flux_pipe):

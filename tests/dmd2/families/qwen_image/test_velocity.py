@@ -8,6 +8,7 @@ from dmd2.config import config_from_dict
 from dmd2.families.qwen_image.family import QwenImageFamily
 from dmd2.model import guided
 from dmd2.prompt_index import negative_indices, prompt_indices
+from tests.dmd2.families.prepared_parts import assert_parts_merge_to_the_whole
 
 PROMPTS = ["a cat", "a red dog on the sign", "the blue sign"]  # of different lengths: the table pads them
 TOKENS = 64
@@ -62,3 +63,16 @@ def test_the_velocity_and_the_true_cfg_are_the_pipelines(qwen_image_pipe):
                                                                                           keepdim=True))
         teacher = guided(velocity, 4.0, negative_indices(2))(latents, sigma, cond)
         assert torch.allclose(teacher, unpack(expected), atol=1e-5)
+
+
+def test_parts_encoded_by_several_workers_merge_into_the_table_one_worker_makes(qwen_image_dir, tmp_path):
+    """16 rows (12 prompts, then the first 4 again as the eval set): two parts of one encoder batch each, and a third
+    part with none. The long prompt is in the second part, so the first is cut shorter and padded again to merge."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(["a cat", "the dog"] * 4 + ["a very long red dog on the blue sign by the sea",
+                                                              "a cat", "the sign", "a dog"]) + "\n")
+    config = config_from_dict({"model": {"family": "qwen_image", "teacher": str(qwen_image_dir)},
+                               "data": {"prompts": str(prompts), "max_sequence_length": TOKENS, "resolution": 16}})
+    whole = QwenImageFamily().prepare(config)["prompts"]
+    parts = assert_parts_merge_to_the_whole(QwenImageFamily(), config, 3)
+    assert parts[2] == {} and parts[0]["prompts"]["prompt_embeds"].shape[1] < whole["prompt_embeds"].shape[1]

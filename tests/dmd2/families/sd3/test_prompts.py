@@ -14,6 +14,7 @@ from dmd2.families.sd3.prompts import (
     prompts_digest,
     read_prompts,
 )
+from tests.dmd2.families.prepared_parts import assert_parts_merge_to_the_whole
 from tests.dmd2.families.sd3.tiny_pipeline import CLIP_MAX_LENGTH, JOINT_ATTENTION_DIM
 
 PROMPTS = ["a photo of a cat", "a red dog", "the blue sign", "a cat on the sign", "dog"]
@@ -170,3 +171,16 @@ def test_load_text_pipeline_refuses_a_pipeline_without_t5(sd3_dir, tmp_path):
 def test_load_text_pipeline_refuses_other_pipelines(sd_dir):
     with pytest.raises(ValueError, match="StableDiffusion3Pipeline"):
         load_text_pipeline(sd_dir)
+
+
+def test_parts_encoded_by_several_workers_merge_into_the_table_one_worker_makes(sd3_dir, tmp_path):
+    """21 prompts and the first 4 again as the eval set: 25 rows, 4 encoder batches, in 3 parts (2 + 1 + 1 batches)."""
+    from dmd2.config import config_from_dict
+    from dmd2.families.sd3.family import SD3Family
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(21)) + "\n")
+    config = config_from_dict({"model": {"family": "sd3", "teacher": str(sd3_dir)},
+                               "data": {"prompts": str(prompts), "max_sequence_length": SEQUENCE_LENGTH}})
+    parts = assert_parts_merge_to_the_whole(SD3Family(), config, 3)
+    assert [len(part["prompts"]["prompt_embeds"]) for part in parts] == [16, 8, 1]

@@ -22,6 +22,7 @@ from dmd2.hooks import critic_loss_hook, critic_step_pairs
 from dmd2.plan import RolloutPlan
 from dmd2.schedule import add_noise
 from dmd2.trainer import HookContext
+from tests.dmd2.families.prepared_parts import assert_parts_merge_to_the_whole
 
 PROMPTS = ["a photo of a cat", "a red dog"]
 SIZES = {"a.png": (16, 16), "b.png": (24, 16), "c.png": (20, 28)}  # (width, height): square, wide, tall
@@ -155,3 +156,10 @@ def test_a_critic_step_with_the_gan_trains_the_head_on_the_bound_images(prepared
     loss.backward()
     head = model.get_submodule(HEAD_NAME)
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in head.parameters())
+
+
+def test_the_real_images_are_part_0s_when_several_workers_prepare(prepared):
+    """Every worker encodes its part of the prompt table; the first alone encodes the images (here all the rows fit
+    one encoder batch, so the second part is empty)."""
+    parts = assert_parts_merge_to_the_whole(SD3Family(), prepared[0], 2)
+    assert parts[1] == {} and set(parts[0]) == {"prompts", "real"}

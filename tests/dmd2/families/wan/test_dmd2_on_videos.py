@@ -12,6 +12,7 @@ from dmd2.loop import run_rollout
 from dmd2.plan import rollout_plan
 from dmd2.trainer import train_state
 from tests.dmd2.families.explicit_rollout import assert_the_rollout_matches, explicit_rollout_metrics
+from tests.dmd2.families.prepared_parts import assert_parts_merge_to_the_whole
 from tests.dmd2.families.wan.tiny_pipeline import FLOW_SHIFT
 
 PROMPTS = ["a cat runs", "a red ball on the grass", "the dog jumps"]
@@ -34,6 +35,17 @@ def test_the_prompt_table_is_the_pipelines_own_encoding(wan_dir, wan_pipe, tmp_p
         negative, _ = wan_pipe.encode_prompt(["blurry"], do_classifier_free_guidance=False,
                                              max_sequence_length=MAX_TOKENS)
     assert torch.allclose(table["negative_prompt_embeds"], negative, atol=1e-6)
+
+
+def test_parts_encoded_by_several_workers_merge_into_the_table_one_worker_makes(wan_dir, tmp_path):
+    """10 prompts and the first 4 again as the eval set: 14 rows, 2 encoder batches, one per part."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(10)) + "\n")
+    config = config_from_dict({"model": {"family": "wan", "teacher": str(wan_dir)},
+                               "data": {"prompts": str(prompts), "max_sequence_length": MAX_TOKENS, "frames": 5,
+                                        "resolution": 16}})
+    parts = assert_parts_merge_to_the_whole(WanFamily(), config, 2)
+    assert [len(part["prompts"]["prompt_embeds"]) for part in parts] == [8, 6]
 
 
 def test_one_rollout_on_video_latents_matches_an_explicit_per_sample_computation(wan_dir, wan_pipe):
