@@ -23,10 +23,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# Pure torch by design (tests/dmd2/test_purity.py), or checked so (their stages' memory, MLflow on sqlite, the
-# layout): ~3.5 of the suite's minutes.
-LANE = ("tests/dmd2/", "tests/infra/trainers/test_memory_plan.py", "tests/infra/tracking/test_runs.py",
-        "tests/infra/tracking/test_registry.py", "tests/bench/test_memory_bench.py", "tests/test_layout.py")
+# Pure torch by design (tests/dmd2/test_purity.py), or checked so (their stages' memory, `dmd2 plan`, MLflow on
+# sqlite, the layout): ~4 of the suite's minutes.
+LANE = ("tests/dmd2/", "tests/infra/trainers/test_memory_plan.py", "tests/flows/test_plan.py",
+        "tests/infra/tracking/test_runs.py", "tests/infra/tracking/test_registry.py", "tests/bench/test_memory_bench.py",
+        "tests/test_layout.py")
 LANE_SWITCH = "DMD2_TESTS_LANE"
 _jobs: dict[str, tuple[subprocess.Popen, Path]] = {}
 _lane: list[tuple[subprocess.Popen, Path]] = []

@@ -1,12 +1,12 @@
-"""`dmd2 plan` as a user runs it: the table, the verdict and its exit status, the JSON, and bad input."""
+"""`dmd2 plan` as a user runs it: the table, the verdict and its exit status, the JSON, and bad input. Server-free:
+it runs in the suite's lane (tests/background.py); `dmd2 distill`'s use of the plan is test_plan_refusal.py's."""
 
 import json
-import time
 
 import pytest
 import torch
 
-from dmd2.config import ConfigError, load_recipe
+from dmd2.config import load_recipe
 from dmd2.families.digits.model import build_digits_unet
 from dmd2.families.sd3.family import SD3Family
 from dmd2.family import family_for
@@ -15,8 +15,6 @@ from flows.recipe import DEFAULT_RECIPE
 from infra.trainers.memory_plan import plan_memory
 from infra.trainers.rehearsal import OUTPUT_STAGES, STAGES
 from tests.dmd2.families.sd3.tiny_pipeline import build_tiny_sd3_pipeline
-from tests.reliability.faults import rank_pids
-from tests.tracking_db import tracking_uri_in
 
 GiB = 2**30
 
@@ -108,36 +106,6 @@ def test_an_sd3_pipeline_is_planned_from_its_configs_with_a_bf16_teacher(tmp_pat
     for part in ("weights", "optimizer"):  # the actor's alone (convert) and the critic's alone (score)
         assert stages["checkpoint"][part] == stages["convert"][part] + stages["score"][part] > 0
     assert stages["checkpoint"]["teacher"] == 0  # parked: it comes to the GPU only to score
-
-
-def test_distill_refuses_a_recipe_too_large_for_this_machine_before_any_group_or_mlflow_run(prefect_server,
-                                                                                            shared_ray, tmp_path):
-    """A digits UNet of 2048 and 4096 channels (only its config.json: the plan reads no weights, and neither does
-    the refusal) on CPU ranks: its state alone is larger than this machine's memory."""
-    from diffusers import UNet2DModel
-    from mlflow import MlflowClient
-
-    from dmd2.families.digits.model import DIGITS_UNET_CONFIG
-    from flows.distill import distill
-    from tests.flows.conftest import write_recipe
-
-    with torch.device("meta"):
-        UNet2DModel(**DIGITS_UNET_CONFIG | {"block_out_channels": (2048, 4096), "norm_num_groups": 32}).save_config(
-            tmp_path / "huge")
-    recipe = write_recipe(tmp_path / "huge.toml", tmp_path / "huge", rollouts=2)
-    tracking = tracking_uri_in(tmp_path)
-    with pytest.raises(ConfigError, match=r"does not fit this machine's memory: its 1 CPU rank pair\(s\) need"):
-        distill(recipe=str(recipe), run_id="huge", store_uri=(tmp_path / "store").as_uri(), tracking_uri=tracking,
-                output_dir=str(tmp_path / "outputs"), cache_dir=str(tmp_path / "cache"))
-    client = MlflowClient(tracking)
-    experiment = client.get_experiment_by_name("dmd2")
-    assert experiment is None or client.search_runs([experiment.experiment_id]) == []
-    assert not (tmp_path / "store" / "huge" / "checkpoints").exists()
-    # the rank processes started beside the plan (`start_ranks`) ended with the refusal
-    deadline = time.monotonic() + 30
-    while rank_pids():
-        assert time.monotonic() < deadline, f"rank processes left after the refusal: {rank_pids()}"
-        time.sleep(0.2)
 
 
 def test_hsdp_plans_each_gpu_as_fsdp_over_its_shard_group():
