@@ -18,8 +18,8 @@ logger = logging.getLogger(__name__)
 GiB = 2**30
 UNITS = {"": GiB, "gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}
 TABLE_TITLE = ("GiB per GPU (one rank of each group), by what holds it, and the stage's compute per GPU; after the\n"
-               "rollout's stages, what the run does now and then (evaluate: the first evaluation, which makes the\n"
-               "teacher's reference samples; checkpoint: the critic saving, woken beside the actor):")
+               "rollout's stages, what the run does now and then (evaluate: the student's samples; reference: the\n"
+               "teacher's, at the first evaluation; checkpoint: the critic saving beside the actor):")
 COLUMNS = (("weights", "weights"), ("gradients", "grads"), ("optimizer", "optim"), ("teacher", "teacher"),
            ("conditioning", "cond"), ("activations", "activ"), ("temporaries", "temp"))
 
@@ -179,7 +179,7 @@ def splits_tokens(config: DistillConfig) -> bool:
 
 def remedies(config: DistillConfig, peak) -> str:
     """What would shrink the peak stage, the largest part first."""
-    if peak.stage in ("evaluate", "checkpoint"):
+    if peak.stage in ("reference", "evaluate", "checkpoint"):
         return output_remedies(config, peak)
     train, parts = config.train, peak.by_category
     state = parts["weights"] + parts["gradients"] + parts["optimizer"]
@@ -205,16 +205,18 @@ def remedies(config: DistillConfig, peak) -> str:
 
 
 def output_remedies(config: DistillConfig, peak) -> str:
-    """What would shrink an evaluation (its samples, taken at once) or a checkpoint (both groups' state together)."""
+    """What would shrink an evaluation (its samples taken at once, the teacher) or a checkpoint (both groups'
+    state together)."""
     from dmd2.family import family_class, family_name
 
     train, options = config.train, []
-    if peak.stage == "evaluate":
+    if peak.stage in ("reference", "evaluate"):
         family = family_class(family_name(config.model))
         samples = ("[eval] num_samples" if family.name == "digits"
                    else "[eval] samples_per_prompt or the number of [eval] prompts")
-        options.append(f"lower {samples} (an evaluation samples them in one batch"
-                       + (", shared out over the GPUs" if family.splits_evaluation else " on the first GPU") + ")")
+        options.append(f"lower {samples} (" + ("each GPU samples its share of them, at most a critic step's batch at "
+                                                 "once" if family.splits_evaluation else "the first GPU samples them "
+                                                 "in one batch") + ")")
         if train.mixed_precision != "bf16":
             options.append('set [train] mixed_precision = "bf16" (bf16 compute and a bf16 teacher)')
     if train.parallel == "ddp":

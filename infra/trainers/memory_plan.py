@@ -18,6 +18,7 @@ rollout in the middle of a run. DDP at world size > 1 is planned as its memory (
 run on fake tensors), and under FSDP2 the block it gathers ahead (`gathered_ahead`). Not in the figures: the CUDA
 context, NCCL's buffers and the allocator's fragmentation, for which a fit keeps `RESERVE` of each GPU free.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,9 +44,9 @@ from infra.trainers.sequence import sequence_mesh
 
 # The group asleep in each stage (its DDP buckets are resident too with nothing asleep), and whose forwards it runs.
 ASLEEP = {"rollout": "critic", "convert": "critic", "critic-train": "actor", "score": "actor", "actor-train": "critic",
-          "evaluate": "critic", "checkpoint": None}
+          "reference": "critic", "evaluate": "critic", "checkpoint": None}
 COMPUTING = {"rollout": ("actor",), "convert": (), "critic-train": ("critic",), "score": ("critic", "teacher"),
-             "actor-train": ("actor",), "evaluate": ("actor", "teacher"), "checkpoint": ()}
+             "actor-train": ("actor",), "reference": ("teacher",), "evaluate": ("actor",), "checkpoint": ()}
 RESERVE = 0.10  # of each GPU, for what the figures leave out (see the module docstring)
 # A load's peak host memory over the bytes of the model it reads, at most (tests/dmd2/test_loading.py holds it).
 LOAD_OVERHEAD = 1.2
@@ -158,11 +159,11 @@ def plan_memory(spec: RunSpec) -> MemoryPlan:
         peaks = [_with_temporaries(peak, max((gathers[name] for name in computing[peak.stage]), default=0))
                  for peak in peaks]
     # With nothing asleep (sleep = "never"), DDP's wrapper stays too: the asleep group's buckets are resident; and the
-    # critic's teacher, beside the one a split evaluation loads.
+    # critic's teacher, beside the one the reference samples load.
     buckets = {role: DdpBuckets.bytes_of(gpu.module(role)) if replicated(config) else 0 for role in ("actor", "critic")}
     buckets[None] = 0
     resident = max(peak.peak + stages.parked[peak.stage] + buckets[ASLEEP[peak.stage]]
-                   + (peak.by_category.get("teacher", 0) if peak.stage == "evaluate" else 0) for peak in peaks)
+                   + (peak.by_category.get("teacher", 0) if peak.stage == "reference" else 0) for peak in peaks)
     flops = {name: stages.flops[name] for name in STAGES}  # a rollout's: the outputs come now and then
     whole = {role: _whole_bytes(gpu.module(role)) for role in ("actor", "critic")}
     whole["teacher"] = _whole_bytes(gpu.teacher)

@@ -2,7 +2,8 @@
 on any tensors: fake ones for `dmd2 plan` (infra/trainers/memory_plan.py), real ones for its accuracy test and the GPU
 bench (bench/gpu.py). The models are held as the ranks hold them, the stages run the product's code, and a group
 sleeps and wakes as the ranks' do (`Parking` says where what sleeps goes). After the rollout, what the run does now
-and then on the same GPU: an evaluation and a checkpoint (`rehearse_outputs`).
+and then on the same GPU: an evaluation (the teacher's reference samples, the student's) and a checkpoint
+(`rehearse_outputs`).
 """
 
 from __future__ import annotations
@@ -35,11 +36,9 @@ from infra.trainers.offload import module_tensors, sleeping_tensors
 from infra.trainers.sequence import sequence_mesh, split_sequence
 
 STAGES = ("rollout", "convert", "critic-train", "score", "actor-train")
-OUTPUT_STAGES = ("evaluate", "checkpoint")  # after a rollout, every `[train] eval_interval` / `save_interval`
+OUTPUT_STAGES = ("evaluate", "reference", "checkpoint")  # now and then after a rollout (`rehearse_outputs`)
 DEVICE = torch.device("cpu")  # fake storage on the CPU stands in for the GPU (fake CUDA fails inside FSDP2)
 Load = Callable[[str, "torch.dtype | None"], nn.Module]  # (model path, dtype) -> the model on DEVICE
-
-
 Wrap = Callable[[nn.Module], nn.Module]  # a replicated model -> what its optimizer steps run (DDP's wrapper)
 
 
@@ -130,7 +129,6 @@ def _with_optimizer_state(state: TrainState) -> TrainState:
     return state
 
 
-
 class Parking:
     """Where a rehearsal parks what sleeps: in the ledger's host total (a plan), or for real (a measurement)."""
 
@@ -195,14 +193,15 @@ def rehearse(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], par
 
 def rehearse_outputs(gpu: GpuModels, stage: Callable[[str], AbstractContextManager], parking: Parking) -> None:
     """After `rehearse` (the actor awake, the critic asleep), each of `OUTPUT_STAGES` inside ``stage(name)``; as
-    there, groups sleep and wake between stages, never inside one.
+    there, groups sleep and wake between stages, never inside one. The evaluation's two halves, as
+    `StudentOutputs.evaluate` holds the GPU, one batch (`evaluation_batch`) and one step of each sampler (every other
+    holds what the first does); decoding and the judges (rank 0, small models) are not rehearsed:
 
-    "evaluate", as `StudentOutputs.evaluate` holds the GPU: a family that splits its evaluation samples this rank's
-    share, the teacher's reference samples (the run's first evaluation loads the teacher whole, in its dtype, as the
-    critic's parked one is here) and the student's, with the actor as held; any other samples all of it on rank 0
-    with a whole copy of the student (under FSDP2 gathered beside the shards). One batch (`evaluation_batch`) and
-    one step of each sampler: every other holds what the first does. Decoding and the judges (rank 0, small
-    models) are not rehearsed.
+    "evaluate": the student's samples, at every evaluation: this rank's share with the actor as held, or all of
+    them on rank 0 with a whole copy of the student (under FSDP2 gathered beside the shards).
+    "reference": the teacher's reference samples, made at the run's first evaluation (before the student's: the
+    order changes neither's peak), by a family that splits its evaluation: this rank's share, with the teacher
+    loaded whole, in its dtype (as the critic's parked one is here). Any other makes them on the host: no row.
     "checkpoint", as `save_groups`: the critic saves first, woken beside the awake actor (DCP copies each tensor to
     host memory as it writes it), and sleeps again."""
     spec, device = gpu.spec, gpu.device
@@ -211,18 +210,17 @@ def rehearse_outputs(gpu: GpuModels, stage: Callable[[str], AbstractContextManag
     with on_host():
         cond, neg = spec.conds(RolloutDraws(config.train.seed, 0, rows), torch.arange(rows))
     sample = dict(cond=cond, neg_cond=neg, sample_shape=spec.sample_shape, num_steps=1, clamp=False)
-    if family.splits_evaluation:
-        gpu.wake("teacher", parking)
     with stage("evaluate"), torch.no_grad():
-        if family.splits_evaluation:
-            generate(rank_velocity(family, gpu.teacher, config, device), sampler="teacher",
-                     guidance_scale=config.dmd2.teacher_guidance_scale, **sample)
-            student = gpu.module("actor")
-        else:
-            student = gpu.whole_student() if config.train.parallel in SHARDED else gpu.module("actor")
+        as_held = family.splits_evaluation or config.train.parallel not in SHARDED
+        student = gpu.module("actor") if as_held else gpu.whole_student()
         generate(rank_velocity(family, student, config, device), sampler="student", **sample)
         del student
-    gpu.sleep("teacher", parking)
+    if family.splits_evaluation:
+        gpu.wake("teacher", parking)
+        with stage("reference"), torch.no_grad():
+            generate(rank_velocity(family, gpu.teacher, config, device), sampler="teacher",
+                     guidance_scale=config.dmd2.teacher_guidance_scale, **sample)
+        gpu.sleep("teacher", parking)
     gpu.wake("critic", parking)
     with stage("checkpoint"):
         pass  # nothing more on the device than both groups' state

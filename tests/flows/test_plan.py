@@ -24,7 +24,8 @@ def test_the_default_recipe_fits_and_the_json_holds_every_stage(tmp_path, capsys
     assert main(["plan", "--gpu-memory", "1GiB", "--json", str(out), "--gpu-tflops", "100", "--mfu", "0.5"]) == 0
     printed = capsys.readouterr().out
     plan = json.loads(out.read_text())
-    assert list(plan["stages"]) == [*STAGES, *OUTPUT_STAGES] and plan["fits"] is True
+    # digits makes its teacher's reference samples on the host: no "reference" row
+    assert list(plan["stages"]) == [*STAGES, "evaluate", "checkpoint"] and plan["fits"] is True
     peak = max(plan["stages"].values(), key=lambda stage: stage["peak"])
     assert plan["stages"][plan["peak_stage"]] == peak
     for name, stage in plan["stages"].items():  # each row's parts add up to its peak
@@ -87,9 +88,9 @@ def test_bad_input_is_refused_naming_the_option(args, message, capsys):
 def test_an_sd3_pipeline_is_planned_from_its_configs_with_a_bf16_teacher(tmp_path):
     """The SD3 family's path (a pipeline directory's transformer config, a stand-in prompt table): the teacher's
     row is its parameters in bf16, counted independently from the loaded transformer. The evaluation (SD3 splits
-    it over the ranks) holds the teacher the same way, for its reference samples; a checkpoint holds both groups'
-    state at once (the critic saving beside the awake actor): the actor's as the convert stage holds it, and the
-    critic's as it scores."""
+    it over the ranks) holds the teacher the same way for its reference samples, and not for the student's; a
+    checkpoint holds both groups' state at once (the critic saving beside the awake actor): the actor's as the
+    convert stage holds it, and the critic's as it scores."""
     teacher = build_tiny_sd3_pipeline(tmp_path / "teacher")
     config = load_recipe("recipes/sd35-medium-4step.toml").replace("model", teacher=str(teacher)).replace(
         "data", resolution=16).replace("train", world_size=1, rollout_batch_size=10)
@@ -102,7 +103,8 @@ def test_an_sd3_pipeline_is_planned_from_its_configs_with_a_bf16_teacher(tmp_pat
     assert teacher_bytes <= score.by_category["teacher"] <= teacher_bytes + 512 * len(tensors)
     assert [stage.stage for stage in plan.stages] == [*STAGES, *OUTPUT_STAGES]
     stages = {stage.stage: stage.by_category for stage in plan.stages}
-    assert stages["evaluate"]["teacher"] == score.by_category["teacher"] and stages["evaluate"]["temporaries"] > 0
+    assert stages["reference"]["teacher"] == score.by_category["teacher"] and stages["reference"]["temporaries"] > 0
+    assert stages["evaluate"]["teacher"] == 0 and stages["evaluate"]["temporaries"] > 0  # the student's: no teacher
     for part in ("weights", "optimizer"):  # the actor's alone (convert) and the critic's alone (score)
         assert stages["checkpoint"][part] == stages["convert"][part] + stages["score"][part] > 0
     assert stages["checkpoint"]["teacher"] == 0  # parked: it comes to the GPU only to score

@@ -5,6 +5,7 @@ its host copies are taken off the total, as they would not be on a GPU. The plan
 against the same counter over the real tensors' rehearsal."""
 
 import collections
+import gc
 import json
 import socket
 import time
@@ -25,7 +26,7 @@ from infra.trainers.flops import CPU_ATTENTION_FLOPS, FlopCount
 from infra.trainers.memory_plan import plan_memory
 from infra.trainers.offload import HostCopy, own_storage
 from infra.trainers.parallel import ddp, free_port, replicated
-from infra.trainers.rehearsal import OUTPUT_STAGES, STAGES, Parking, gpu_models, rehearse, rehearse_outputs
+from infra.trainers.rehearsal import STAGES, Parking, gpu_models, rehearse, rehearse_outputs
 
 TOLERANCE = 0.10
 
@@ -122,6 +123,7 @@ def measured(spec) -> tuple[dict[str, int], dict[str, int]]:
 
     @contextmanager
     def stage(name):
+        gc.collect()  # garbage of the stages before (a reference cycle) outlives them by chance: no plan counts it
         start, counter = time.time_ns(), FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
         with counter:
             yield
@@ -147,7 +149,7 @@ def test_each_stages_planned_peak_is_within_10_percent_of_the_measured_one(teach
     plan = plan_memory(spec)
     with gloo_world_of_one() if parallel == "fsdp" else nullcontext():
         real, real_flops = measured(spec)
-    assert [stage.stage for stage in plan.stages] == list(real) == [*STAGES, *OUTPUT_STAGES]
+    assert [stage.stage for stage in plan.stages] == list(real) == [*STAGES, "evaluate", "checkpoint"]  # digits
     for stage in plan.stages:
         assert abs(stage.peak - real[stage.stage]) <= TOLERANCE * real[stage.stage], (stage, real)
     assert plan.flops == {name: real_flops[name] for name in STAGES}  # a rollout's; evaluations come now and then
