@@ -61,7 +61,6 @@ def table_dtype(config: DistillConfig) -> torch.dtype:
     return torch.bfloat16 if config.train.mixed_precision == "bf16" else torch.float32
 
 
-
 ENCODE_BATCH = 8  # prompts per text-encoder call; parts of a table (`table_part`) are whole batches of it
 NEGATIVE_PREFIX = "negative_"  # a table's tensors of the negative prompt's one row
 
