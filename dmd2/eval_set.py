@@ -13,7 +13,7 @@ A subclass gives `latent_shape`, `decode` (latents to pixels), `_spaces` (pixels
 
 import hashlib
 import json
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -97,6 +97,8 @@ class PromptSetEvaluator:
     _teacher_samples: dict[str, Tensor] | None = field(default=None, repr=False)
     _reference: dict[str, Tensor] | None = field(default=None, repr=False)  # the reference samples' features
     _vae: object = field(default=None, repr=False)
+    # The teacher the rank's process holds already (its critic's, `RankWorker.lend_teacher`), lent for the block.
+    lent_teacher: Callable[[], AbstractContextManager[nn.Module]] | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, family, config: DistillConfig, device: torch.device | str = "cpu",
@@ -136,13 +138,22 @@ class PromptSetEvaluator:
 
     @torch.no_grad()
     def teacher_share(self, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
-        """The teacher's own latents of rank ``rank``'s share (see `teacher_samples`), with one load of the
-        teacher on this evaluator's device in its training dtype, let go after."""
+        """The teacher's own latents of rank ``rank``'s share (see `teacher_samples`), with the teacher on this
+        evaluator's device in its training dtype for them: lent (`lent_teacher`), or loaded and let go after."""
         rows, kept = self._rows(rank, world_size)
+        with self._teacher() as model:
+            return self._teacher_latents(model, rows, kept)
+
+    def _teacher(self) -> AbstractContextManager[nn.Module]:
+        """The teacher on this evaluator's device for the block: `lent_teacher`'s, else one loaded (let go after)."""
+        if self.lent_teacher is not None:
+            return self.lent_teacher()
         # Loading initialises weights from the global RNG first: keep the caller's RNG untouched.
         with torch.random.fork_rng(devices=[]):
             model = self.family.load_model(self.config.model.teacher, teacher_dtype(self.config))
-        model = model.to(self.device).eval().requires_grad_(False)
+        return nullcontext(model.to(self.device).eval().requires_grad_(False))
+
+    def _teacher_latents(self, model: nn.Module, rows: slice, kept: bool) -> dict[str, Tensor]:
         teacher = HostCalls(in_run_precision(self.family.velocity(model), self.config, self.device.type), self.device)
         cond, neg = self.conds()
         samples = {}

@@ -105,6 +105,7 @@ class RankProcess:
 
     def add(self, role: str, *worker_args: Any) -> None:
         self.workers[role] = RankWorker(*worker_args)
+        self.workers[role].colocated = self.workers  # each sees the others (the actor's evaluation borrows a teacher)
 
     def remove(self, role: str) -> int:
         """End ``role``'s worker (it leaves the process group if it is the last); how many workers are left."""

@@ -159,11 +159,13 @@ def plan_memory(spec: RunSpec) -> MemoryPlan:
         peaks = [_with_temporaries(peak, max((gathers[name] for name in computing[peak.stage]), default=0))
                  for peak in peaks]
     # With nothing asleep (sleep = "never"), DDP's wrapper stays too: the asleep group's buckets are resident; and the
-    # critic's teacher, beside the one the reference samples load.
+    # critic's teacher beside a second one, where the reference samples cannot borrow it (`StudentOutputs`).
     buckets = {role: DdpBuckets.bytes_of(gpu.module(role)) if replicated(config) else 0 for role in ("actor", "critic")}
     buckets[None] = 0
+    second = config.train.sequence_parallel > 1 or not config.cluster.colocate
     resident = max(peak.peak + stages.parked[peak.stage] + buckets[ASLEEP[peak.stage]]
-                   + (peak.by_category.get("teacher", 0) if peak.stage == "reference" else 0) for peak in peaks)
+                   + (peak.by_category.get("teacher", 0) if peak.stage == "reference" and second else 0)
+                   for peak in peaks)
     flops = {name: stages.flops[name] for name in STAGES}  # a rollout's: the outputs come now and then
     whole = {role: _whole_bytes(gpu.module(role)) for role in ("actor", "critic")}
     whole["teacher"] = _whole_bytes(gpu.teacher)

@@ -78,6 +78,7 @@ class RankWorker(StudentOutputs):
         self.rollouts_trained = 0
         self.optimizer_steps = 0
         self._evaluator, self._references_key, self._references_kept = None, "", False
+        self.colocated: dict[str, RankWorker] = {}  # by role, the workers of this process (`RankProcess` sets it)
         self._sleeping, self._teacher_host = HostCopy(), HostCopy()
         self.sharded = spec.config.train.parallel in SHARDED
         # `[train] sleep`: "never" keeps everything resident; "auto" reaches a rank already decided by the distill
@@ -242,6 +243,21 @@ class RankWorker(StudentOutputs):
         finally:
             if was_asleep:
                 self.sleep()
+
+    @contextmanager
+    def lend_teacher(self):
+        """The frozen teacher on this rank's device for the block (brought back from host memory if parked, and
+        parked again after), for the evaluation's reference samples on the same GPU: no second copy beside it."""
+        if self.teacher is None:
+            raise RuntimeError(f"the {self.trainer.role} group holds no teacher to lend")
+        parked = self._teacher_host.parked
+        if parked:
+            self._teacher_host.restore()
+        try:
+            yield self.teacher
+        finally:
+            if parked:
+                self._teacher_host.offload(module_tensors(self.teacher))
 
     def awake(self) -> bool:
         """Whether this rank's weights are on its accelerator now (the sleep ledger reads it)."""

@@ -200,8 +200,9 @@ def rehearse_outputs(gpu: GpuModels, stage: Callable[[str], AbstractContextManag
     "evaluate": the student's samples, at every evaluation: this rank's share with the actor as held, or all of
     them on rank 0 with a whole copy of the student (under FSDP2 gathered beside the shards).
     "reference": the teacher's reference samples, made at the run's first evaluation (before the student's: the
-    order changes neither's peak), by a family that splits its evaluation: this rank's share, with the teacher
-    loaded whole, in its dtype (as the critic's parked one is here). Any other makes them on the host: no row.
+    order changes neither's peak), by a family that splits its evaluation: this rank's share, with the critic's
+    teacher, which the evaluation borrows in the ranks' process (or a copy it loads beside it where it cannot: see
+    `StudentOutputs._teacher_lender`). Any other family makes them on the host: no row.
     "checkpoint", as `save_groups`: the critic saves first, woken beside the awake actor (DCP copies each tensor to
     host memory as it writes it), and sleeps again."""
     spec, device = gpu.spec, gpu.device

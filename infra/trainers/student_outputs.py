@@ -2,7 +2,8 @@
 takes part (a sharded model gathers there, and a family that splits its evaluation samples on every rank).
 
 `StudentOutputs` is a part of `infra.trainers.rank.RankWorker`, kept apart to keep each file one concern: it uses
-the worker's store, family, run spec, rank, device, models and `_objects` (its group of object collectives).
+the worker's store, family, run spec, rank, device, models, `_objects` (its group of object collectives) and
+`colocated` (the workers of its process).
 """
 
 import logging
@@ -124,6 +125,8 @@ class StudentOutputs:
         with what an earlier rank process of the run stored of its references (`_keep_references`)."""
         if self._evaluator is None:
             evaluator = self.family.evaluator(self.spec.config, Path(self.spec.cache_dir), self.device)
+            if (lender := self._teacher_lender()) is not None:
+                evaluator.lent_teacher = lender.lend_teacher
             self._references_key = f"{run_id}/eval/reference/{evaluator.references_id()}"
             # Rank 0 alone scores, so it alone reads them (the other ranks' shares are asked only without them).
             if self.rank == 0 and (ref := self.store.find_json(f"{self._references_key}.json")) is not None:
@@ -135,6 +138,17 @@ class StudentOutputs:
                                    self._references_key, exc)
             self._evaluator = evaluator
         return self._evaluator
+
+    def _teacher_lender(self):
+        """The critic's worker in this process, whose teacher a split evaluation borrows for its reference samples
+        rather than load a second copy on the same GPU; None when there is none to borrow (the groups in processes of
+        their own, `[cluster] colocate = false`), or when it is split over a sequence group (`[train]
+        sequence_parallel`: its forwards are that group's collectives, the reference's are each rank's own)."""
+        critic = self.colocated.get("critic")
+        if (not self.family.splits_evaluation or critic is None or critic.teacher is None
+                or self.spec.config.train.sequence_parallel > 1):
+            return None
+        return critic
 
     def _keep_references(self) -> None:
         """Store the evaluator's once-per-run references (rank 0, once), for the rank processes that may replace
