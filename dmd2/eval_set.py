@@ -69,17 +69,20 @@ def eval_prompts(config: DistillConfig) -> list[str]:
     return list(config.eval.prompts) or read_prompts(config.data.prompts)[:EVAL_PROMPTS_DEFAULT]
 
 
-def eval_batch(config: DistillConfig, share: int) -> int:
-    """How many of a rank's ``share`` of the eval set it samples at once: at most a critic step's batch (`[train]`'s
-    B per GPU), each row from the noise it has in the whole evaluation."""
-    return max(1, min(share, config.critic_batch_size))
+def eval_batch(config: DistillConfig, share: int, teacher: bool = False) -> int:
+    """How many of a rank's ``share`` of the eval set it samples at once (each row from the noise it has in the whole
+    evaluation), so that no sampling holds more of a GPU than the training stage that runs the same model does: the
+    student at most the GPU's samples of a rollout (K x B, which the rollout runs through it at once), the guided
+    teacher at most a critic step's B (as it scores them)."""
+    most = config.critic_batch_size if teacher else config.train.rollout_batch_size // config.train.data_ranks
+    return max(1, min(share, most))
 
 
-def planned_eval_batch(config: DistillConfig) -> int:
+def planned_eval_batch(config: DistillConfig, teacher: bool = False) -> int:
     """`eval_batch` of the largest share, from the options alone (`dmd2 plan` reads no prompt file): with `[eval]
     prompts` unset, of as many prompts as the set can take."""
     rows = (len(config.eval.prompts) or EVAL_PROMPTS_DEFAULT) * config.eval.samples_per_prompt
-    return eval_batch(config, -(-rows // config.train.data_ranks))
+    return eval_batch(config, -(-rows // config.train.data_ranks), teacher)
 
 
 @dataclass
@@ -131,7 +134,7 @@ class PromptSetEvaluator:
         whole evaluation; `score` takes every rank's, in rank order."""
         rows, kept = self._rows(rank, world_size)
         cond, neg = self.conds()
-        latents = self._in_batches(rows, lambda part: generate(
+        latents = self._in_batches(rows, False, lambda part: generate(
             student, cond, neg, self.latent_shape(), sampler="student", num_steps=self.config.student.num_steps,
             shift=self.config.student.grid_shift, seed=self.config.train.seed, clamp=False, rows=part))
         return latents if kept else latents[:0]
@@ -161,17 +164,17 @@ class PromptSetEvaluator:
         grids = {"reference": (self.config.eval.reference_steps, seed + REFERENCE_SEED_OFFSET),
                  "baseline": (self.config.student.num_steps, seed)}
         for name, (steps, noise_seed) in grids.items():
-            latents = self._in_batches(rows, lambda part: generate(
+            latents = self._in_batches(rows, True, lambda part: generate(
                 teacher, cond, neg, self.latent_shape(), sampler="teacher", num_steps=steps,
                 guidance_scale=self.config.dmd2.teacher_guidance_scale, shift=self.config.student.grid_shift,
                 seed=noise_seed, clamp=False, rows=part).cpu())
             samples[name] = latents if kept else latents[:0]
         return samples
 
-    def _in_batches(self, rows: slice, sample: Callable[[slice], Tensor]) -> Tensor:
-        """``sample(part)`` of each part of ``rows`` in turn, concatenated: parts of `eval_batch` rows, so that an
-        evaluation holds no more of a GPU than a critic step's forward does (`dmd2 plan`'s evaluate row)."""
-        size = eval_batch(self.config, rows.stop - rows.start)
+    def _in_batches(self, rows: slice, teacher: bool, sample: Callable[[slice], Tensor]) -> Tensor:
+        """``sample(part)`` of each part of ``rows`` in turn, concatenated: parts of `eval_batch` rows (`dmd2 plan`'s
+        evaluate and reference rows)."""
+        size = eval_batch(self.config, rows.stop - rows.start, teacher)
         return torch.cat([sample(slice(start, min(start + size, rows.stop)))
                           for start in range(rows.start, rows.stop, size)])
 

@@ -265,9 +265,9 @@ class ModelFamily:
         """This family bound (`bind`) to prepared inputs of their real shapes, zero-filled (fake under `dmd2 plan`)."""
         return self.bind({}, device)
 
-    def evaluation_batch(self, config: DistillConfig) -> int:
-        """How many samples an evaluation runs through the student at once on the GPU that samples the most, from
-        the options alone: what `dmd2 plan` rehearses."""
+    def evaluation_batch(self, config: DistillConfig, teacher: bool = False) -> int:
+        """How many samples an evaluation runs through the student (or for its reference samples, the teacher) at
+        once on the GPU that samples the most, from the options alone: what `dmd2 plan` rehearses."""
         raise NotImplementedError
 
     def conditioning_tensors(self) -> list[Tensor]:

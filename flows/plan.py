@@ -214,9 +214,9 @@ def output_remedies(config: DistillConfig, peak) -> str:
         family = family_class(family_name(config.model))
         samples = ("[eval] num_samples" if family.name == "digits"
                    else "[eval] samples_per_prompt or the number of [eval] prompts")
-        options.append(f"lower {samples} (" + ("each GPU samples its share of them, at most a critic step's batch at "
-                                                 "once" if family.splits_evaluation else "the first GPU samples them "
-                                                 "in one batch") + ")")
+        options.append(f"lower {samples} (" + ("each GPU samples its share of them, at most its samples of a "
+                                                 "rollout at once" if family.splits_evaluation else "the first GPU "
+                                                 "samples them in one batch") + ")")
         if train.mixed_precision != "bf16":
             options.append('set [train] mixed_precision = "bf16" (bf16 compute and a bf16 teacher)')
     if train.parallel == "ddp":

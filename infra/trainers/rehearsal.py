@@ -207,20 +207,22 @@ def rehearse_outputs(gpu: GpuModels, stage: Callable[[str], AbstractContextManag
     host memory as it writes it), and sleeps again."""
     spec, device = gpu.spec, gpu.device
     config, family = spec.config, spec.family
-    rows = family.evaluation_batch(config)
-    with on_host():
-        cond, neg = spec.conds(RolloutDraws(config.train.seed, 0, rows), torch.arange(rows))
-    sample = dict(cond=cond, neg_cond=neg, sample_shape=spec.sample_shape, num_steps=1, clamp=False)
+    def sample(teacher: bool) -> dict:
+        rows = family.evaluation_batch(config, teacher)
+        with on_host():
+            cond, neg = spec.conds(RolloutDraws(config.train.seed, 0, rows), torch.arange(rows))
+        return dict(cond=cond, neg_cond=neg, sample_shape=spec.sample_shape, num_steps=1, clamp=False)
+
     with stage("evaluate"), torch.no_grad():
         as_held = family.splits_evaluation or config.train.parallel not in SHARDED
         student = gpu.module("actor") if as_held else gpu.whole_student()
-        generate(rank_velocity(family, student, config, device), sampler="student", **sample)
+        generate(rank_velocity(family, student, config, device), sampler="student", **sample(False))
         del student
     if family.splits_evaluation:
         gpu.wake("teacher", parking)
         with stage("reference"), torch.no_grad():
             generate(rank_velocity(family, gpu.teacher, config, device), sampler="teacher",
-                     guidance_scale=config.dmd2.teacher_guidance_scale, **sample)
+                     guidance_scale=config.dmd2.teacher_guidance_scale, **sample(True))
         gpu.sleep("teacher", parking)
     gpu.wake("critic", parking)
     with stage("checkpoint"):

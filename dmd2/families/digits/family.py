@@ -82,7 +82,7 @@ class DigitsFamily(ModelFamily):
 
         return DigitsStudentEvaluator.build(config, cache_dir)
 
-    def evaluation_batch(self, config: DistillConfig) -> int:
+    def evaluation_batch(self, config: DistillConfig, teacher: bool = False) -> int:
         """The yardstick's samples, in one batch on rank 0, or the grid's after them if it is larger."""
         from dmd2.families.digits.evaluation import GRID_LABELS
 

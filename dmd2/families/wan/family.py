@@ -70,8 +70,8 @@ class WanFamily(ModelFamily):
     def eval_prompts(self, config: DistillConfig) -> list[str]:
         return eval_prompts(config)
 
-    def evaluation_batch(self, config: DistillConfig) -> int:
-        return planned_eval_batch(config)
+    def evaluation_batch(self, config: DistillConfig, teacher: bool = False) -> int:
+        return planned_eval_batch(config, teacher)
 
     def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
         shape = latent_shape(config.model.teacher, *video_size(config.data))

@@ -36,7 +36,7 @@ def test_a_world_size_2_group_splits_sd3_evaluation_between_its_ranks(shared_ray
     prompts.write_text("\n".join(PROMPTS) + "\n")
     config = load_recipe(RECIPES / "sd35-medium-4step.toml", {
         "model": {"teacher": str(teacher)}, "data": {"prompts": str(prompts), "resolution": 16},
-        "train": {"world_size": 2, "rollout_batch_size": 8, "mixed_precision": "no"},
+        "train": {"world_size": 2, "rollout_batch_size": 4, "mixed_precision": "no"},
         "dmd2": {"critic_steps_per_rollout": 2}, "eval": {"reference_steps": 4, "prompts": EVAL_PROMPTS}})
     family, store = SD3Family(), new_store(tmp_path)
     prepared, _ = prepare_inputs(family, config, store)
@@ -56,9 +56,10 @@ def test_a_world_size_2_group_splits_sd3_evaluation_between_its_ranks(shared_ray
     finally:
         groups.shutdown()
     # Each rank ran the student on its half of the eval set (each eval prompt from `samples_per_prompt` noises: 4
-    # rows), at each of the student's 4 steps, in batches of a critic step's B (2 rows); no rank sampled the whole set.
+    # rows), at each of the student's 4 steps, in batches of a rank's samples of a rollout (2 rows); no rank sampled
+    # the whole set.
     half = len(EVAL_PROMPTS) * config.eval.samples_per_prompt // 2
-    assert (half, config.critic_batch_size) == (4, 2)
+    assert (half, config.train.rollout_batch_size // 2) == (4, 2)
     assert batches == [[2] * 4 * 2, [2] * 4 * 2]
     bound = family.bind(load_prepared(store, prepared, tmp_path / "cache"))
     student = bound.load_model(str(teacher))
