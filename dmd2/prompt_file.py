@@ -44,4 +44,3 @@ def read_prompts(path: str | Path) -> list[str]:
     if not prompts:
         raise _prompt_error(path, "holds no prompt; write one prompt a line (blank lines are skipped)")
     return prompts
-

@@ -41,6 +41,7 @@ from infra.trainers.parallel import mesh_shape, replicated
 from infra.trainers.rehearsal import (DEVICE, STAGES, Parking, Wrap, gpu_models, rehearse, rehearse_outputs,
                                       rehearsed_steps)
 from infra.trainers.sequence import sequence_mesh
+from infra.trainers.student_outputs import borrows_teacher
 
 # The group asleep in each stage (its DDP buckets are resident too with nothing asleep), and whose forwards it runs.
 ASLEEP = {"rollout": "critic", "convert": "critic", "critic-train": "actor", "score": "actor", "actor-train": "critic",
@@ -159,10 +160,10 @@ def plan_memory(spec: RunSpec) -> MemoryPlan:
         peaks = [_with_temporaries(peak, max((gathers[name] for name in computing[peak.stage]), default=0))
                  for peak in peaks]
     # With nothing asleep (sleep = "never"), DDP's wrapper stays too: the asleep group's buckets are resident; and the
-    # critic's teacher beside a second one, where the reference samples cannot borrow it (`StudentOutputs`).
+    # critic's teacher beside a second one, where the reference samples cannot borrow it.
     buckets = {role: DdpBuckets.bytes_of(gpu.module(role)) if replicated(config) else 0 for role in ("actor", "critic")}
     buckets[None] = 0
-    second = config.train.sequence_parallel > 1 or not config.cluster.colocate
+    second = not borrows_teacher(config)
     resident = max(peak.peak + stages.parked[peak.stage] + buckets[ASLEEP[peak.stage]]
                    + (peak.by_category.get("teacher", 0) if peak.stage == "reference" and second else 0)
                    for peak in peaks)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dmd2.config import DistillConfig
 from dmd2.failures import NonFiniteError
 from dmd2.family import Evaluation
 from dmd2.model import HostCalls
@@ -28,6 +29,13 @@ from infra.trainers.parallel import full_state_dict, unsharded_copy
 from infra.trainers.sequence import data_rank, sequence_rank
 
 logger = logging.getLogger(__name__)
+
+
+def borrows_teacher(config: DistillConfig) -> bool:
+    """Whether a split evaluation's reference samples can borrow the critic's teacher: not when the groups run in
+    processes of their own (`[cluster] colocate = false`), nor when it is split over a sequence group (`[train]
+    sequence_parallel`: its forwards are that group's collectives, the reference's each rank's own)."""
+    return config.cluster.colocate and config.train.sequence_parallel == 1
 
 
 @dataclass(frozen=True)
@@ -141,14 +149,11 @@ class StudentOutputs:
 
     def _teacher_lender(self):
         """The critic's worker in this process, whose teacher a split evaluation borrows for its reference samples
-        rather than load a second copy on the same GPU; None when there is none to borrow (the groups in processes of
-        their own, `[cluster] colocate = false`), or when it is split over a sequence group (`[train]
-        sequence_parallel`: its forwards are that group's collectives, the reference's are each rank's own)."""
+        rather than load a second copy on the same GPU (`borrows_teacher`); None when there is none to borrow."""
         critic = self.colocated.get("critic")
-        if (not self.family.splits_evaluation or critic is None or critic.teacher is None
-                or self.spec.config.train.sequence_parallel > 1):
+        if not (self.family.splits_evaluation and borrows_teacher(self.spec.config)) or critic is None:
             return None
-        return critic
+        return critic if critic.teacher is not None else None
 
     def _keep_references(self) -> None:
         """Store the evaluator's once-per-run references (rank 0, once), for the rank processes that may replace

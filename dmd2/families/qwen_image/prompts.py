@@ -45,12 +45,10 @@ def merge_parts(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     then cuts what no row needs)."""
     parts = [part for part in parts if part]
     length = max(part["prompt_embeds"].shape[1] for part in parts)
-    padded = []
-    for part in parts:
-        pairs = [("prompt_embeds", "prompt_embeds_mask"), ("negative_prompt_embeds", "negative_prompt_embeds_mask")]
-        padded.append({name: tensor.to(part[name].dtype) for embeds, mask in pairs  # the mask in the table's dtype
-                       for name, tensor in zip((embeds, mask), _padded(part[embeds], part[mask], length))})
-    return merge_tables(padded)
+    pairs = [("prompt_embeds", "prompt_embeds_mask"), ("negative_prompt_embeds", "negative_prompt_embeds_mask")]
+    return merge_tables([{name: tensor.to(part[name].dtype) for embeds, mask in pairs  # the mask in the table's dtype
+                          for name, tensor in zip((embeds, mask), _padded(part[embeds], part[mask], length))}
+                         for part in parts])
 
 
 @dataclass(frozen=True)
