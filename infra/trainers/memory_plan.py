@@ -37,11 +37,10 @@ from dmd2.memory import MemoryLedger, StagePeak, block_bytes
 from infra.trainers.ddp_buckets import DdpBuckets
 from infra.trainers.flops import FlopCount
 from infra.trainers.offload import optimizer_tensors
-from infra.trainers.parallel import mesh_shape, replicated
+from infra.trainers.parallel import borrows_teacher, mesh_shape, replicated
 from infra.trainers.rehearsal import (DEVICE, STAGES, Parking, Wrap, gpu_models, rehearse, rehearse_outputs,
                                       rehearsed_steps)
 from infra.trainers.sequence import sequence_mesh
-from infra.trainers.student_outputs import borrows_teacher
 
 # The group asleep in each stage (its DDP buckets are resident too with nothing asleep), and whose forwards it runs.
 ASLEEP = {"rollout": "critic", "convert": "critic", "critic-train": "actor", "score": "actor", "actor-train": "critic",

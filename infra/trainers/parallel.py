@@ -94,6 +94,14 @@ def replicated(config: DistillConfig) -> bool:
     return config.train.parallel not in SHARDED and config.train.world_size > 1
 
 
+def borrows_teacher(config: DistillConfig) -> bool:
+    """Whether a split evaluation's reference samples borrow the critic's teacher in the ranks' process
+    (`StudentOutputs`) rather than load a second copy: not when the groups run in processes of their own (`[cluster]
+    colocate = false`), nor when it is split over a sequence group (`[train] sequence_parallel`: its forwards are
+    that group's collectives, the reference's each rank's own). The ranks and the plan read it alike."""
+    return config.cluster.colocate and config.train.sequence_parallel == 1
+
+
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards one by one: those of the classes the model lists in `_no_split_modules`
     (diffusers names its transformer blocks there: SD3's `JointTransformerBlock`), else the entries of

@@ -18,24 +18,16 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dmd2.config import DistillConfig
 from dmd2.failures import NonFiniteError
 from dmd2.family import Evaluation
 from dmd2.model import HostCalls
 from dmd2.tensors import non_finite
 from infra.store import ArtifactRef, StoreError
 from infra.trainers.collective import gathered, on_every_rank, on_rank0
-from infra.trainers.parallel import full_state_dict, unsharded_copy
+from infra.trainers.parallel import borrows_teacher, full_state_dict, unsharded_copy
 from infra.trainers.sequence import data_rank, sequence_rank
 
 logger = logging.getLogger(__name__)
-
-
-def borrows_teacher(config: DistillConfig) -> bool:
-    """Whether a split evaluation's reference samples can borrow the critic's teacher: not when the groups run in
-    processes of their own (`[cluster] colocate = false`), nor when it is split over a sequence group (`[train]
-    sequence_parallel`: its forwards are that group's collectives, the reference's each rank's own)."""
-    return config.cluster.colocate and config.train.sequence_parallel == 1
 
 
 @dataclass(frozen=True)
