@@ -117,35 +117,34 @@ class PromptSetEvaluator:
         rows = self.prompt_of()
         return prompt_indices(self.first_index + rows), negative_indices(len(rows))
 
-    def _rows(self, rank: int, world_size: int) -> tuple[slice, bool]:
-        """Rank ``rank``'s share of the eval set's rows (equal shares, the last ones shorter), and whether it keeps
-        what it samples: a rank left without a row samples the last one and drops it, since a sharded model's
-        every forward is a collective all ranks make."""
+    def _rows(self, rank: int, world_size: int) -> tuple[slice, int]:
+        """Rank ``rank``'s window of the eval set's rows and where its own share starts in it. Every window is as long
+        as the largest share and so sampled in as many batches: a sharded model's every forward is a collective all
+        ranks make. A shorter (or empty) last share is sampled with the rows before it, which its rank drops."""
         count = len(self.prompt_of())
         per_rank = -(-count // world_size)  # rounded up
-        start = rank * per_rank
-        if start >= count:
-            return slice(count - 1, count), False
-        return slice(start, min(start + per_rank, count)), True
+        start = min(rank * per_rank, count)
+        first = min(start + per_rank, count) - per_rank
+        return slice(first, first + per_rank), start - first
 
     @torch.no_grad()
     def student_share(self, student: VelocityFn, rank: int = 0, world_size: int = 1) -> Tensor:
         """The student's latents of rank ``rank``'s share of the eval set, from the noise those rows have in the
         whole evaluation; `score` takes every rank's, in rank order."""
-        rows, kept = self._rows(rank, world_size)
+        rows, own = self._rows(rank, world_size)
         cond, neg = self.conds()
         latents = self._in_batches(rows, False, lambda part: generate(
             student, cond, neg, self.latent_shape(), sampler="student", num_steps=self.config.student.num_steps,
             shift=self.config.student.grid_shift, seed=self.config.train.seed, clamp=False, rows=part))
-        return latents if kept else latents[:0]
+        return latents[own:]
 
     @torch.no_grad()
     def teacher_share(self, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
         """The teacher's own latents of rank ``rank``'s share (see `teacher_samples`), with the teacher on this
         evaluator's device in its training dtype for them: lent (`lent_teacher`), or loaded and let go after."""
-        rows, kept = self._rows(rank, world_size)
+        rows, own = self._rows(rank, world_size)
         with self._teacher() as model:
-            return self._teacher_latents(model, rows, kept)
+            return {name: latents[own:] for name, latents in self._teacher_latents(model, rows).items()}
 
     def _teacher(self) -> AbstractContextManager[nn.Module]:
         """The teacher on this evaluator's device for the block: `lent_teacher`'s, else one loaded (let go after)."""
@@ -156,7 +155,7 @@ class PromptSetEvaluator:
             model = self.family.load_model(self.config.model.teacher, teacher_dtype(self.config))
         return nullcontext(model.to(self.device).eval().requires_grad_(False))
 
-    def _teacher_latents(self, model: nn.Module, rows: slice, kept: bool) -> dict[str, Tensor]:
+    def _teacher_latents(self, model: nn.Module, rows: slice) -> dict[str, Tensor]:
         teacher = HostCalls(in_run_precision(self.family.velocity(model), self.config, self.device.type), self.device)
         cond, neg = self.conds()
         samples = {}
@@ -168,7 +167,7 @@ class PromptSetEvaluator:
                 teacher, cond, neg, self.latent_shape(), sampler="teacher", num_steps=steps,
                 guidance_scale=self.config.dmd2.teacher_guidance_scale, shift=self.config.student.grid_shift,
                 seed=noise_seed, clamp=False, rows=part).cpu())
-            samples[name] = latents if kept else latents[:0]
+            samples[name] = latents
         return samples
 
     def _in_batches(self, rows: slice, teacher: bool, sample: Callable[[slice], Tensor]) -> Tensor:

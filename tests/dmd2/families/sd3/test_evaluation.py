@@ -2,6 +2,8 @@
 the prompt accuracy, against explicit computations on the tiny pipeline (the metrics themselves are tested in
 tests/dmd2/test_metrics.py)."""
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from diffusers import AutoencoderKL
@@ -193,16 +195,30 @@ def test_the_teacher_is_loaded_once_per_run_and_not_at_all_given_the_stored_samp
 
 def test_the_ranks_shares_of_an_evaluation_are_its_rows_sampled_whole(sd3_dir, sd3_pipe, tmp_path):
     """Three eval prompts from two noises (6 rows) over two ranks (3 + 3) and over four (2 + 2 + 2, the fourth
-    sampling a row it drops): the shares, in rank order, are the latents of the evaluation sampled on one rank, the
-    student's and the teacher's alike (up to float noise: a matmul's rounding depends on the batch)."""
+    sampling rows it drops): the shares, in rank order, are the latents of the evaluation sampled on one rank, the
+    student's and the teacher's alike (up to float noise: a matmul's rounding depends on the batch). Every rank
+    calls each model as often, with batches as large (a sharded model's forwards are collectives), also where a
+    batch (the teacher's: B = 1 with 10 critic steps) is smaller than a share."""
     evaluator, family = evaluator_of(sd3_dir, sd3_pipe, tmp_path, eval_prompts=PROMPTS)
-    student = family.velocity(family.load_model(str(sd3_dir)))
+    evaluator.config = evaluator.config.replace("dmd2", critic_steps_per_rollout=10)
+    student_model, teacher_model = (family.load_model(str(sd3_dir)) for _ in range(2))
+    calls = []  # (model, batch) of each forward
+    for name, model in (("student", student_model), ("teacher", teacher_model)):
+        model.register_forward_pre_hook(lambda module, args, kwargs, name=name: calls.append(
+            (name, len(kwargs["hidden_states"]))), with_kwargs=True)
+    evaluator.lent_teacher = lambda: nullcontext(teacher_model)
+    student = family.velocity(student_model)
     whole, teacher = evaluator.student_share(student), evaluator.teacher_share()
     for world_size, sizes in ((2, [3, 3]), (4, [2, 2, 2, 0])):
-        shares = [evaluator.student_share(student, rank, world_size) for rank in range(world_size)]
+        shares, teacher_shares, ranks_calls = [], [], []
+        for rank in range(world_size):
+            calls.clear()
+            shares.append(evaluator.student_share(student, rank, world_size))
+            teacher_shares.append(evaluator.teacher_share(rank, world_size))
+            ranks_calls.append(list(calls))
         assert [len(share) for share in shares] == sizes
+        assert all(rank_calls == ranks_calls[0] for rank_calls in ranks_calls), ranks_calls
         torch.testing.assert_close(torch.cat(shares), whole, atol=1e-5, rtol=0)
-        teacher_shares = [evaluator.teacher_share(rank, world_size) for rank in range(world_size)]
         for name in ("reference", "baseline"):
             torch.testing.assert_close(torch.cat([share[name] for share in teacher_shares]), teacher[name],
                                        atol=1e-5, rtol=0)
