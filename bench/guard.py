@@ -2,8 +2,8 @@
 
     python bench/guard.py [--seeds 0 1 2] [--rollouts N] [--recipes recipes/digits-4step.toml recipes/digits-1step.toml]
     python bench/guard.py --tiny ...   a tiny random teacher of each recipe's family (no pretraining, no download):
-                                       a small digits UNet, or the suite's tiny SD3, FLUX, Qwen-Image or Wan
-                                       pipeline at 16 px
+                                       a small digits UNet, or the suite's tiny SD3, FLUX.1, FLUX.2 [klein],
+                                       Qwen-Image or Wan pipeline at 16 px
     python bench/guard.py --set optim.lr=1e-3 ...   recipe options, as `dmd2 distill --set`
 
 Each recipe and seed runs in process under the guard (`dmd2.guarded_loop.GuardedRun`, the recipe's `[guard]`
@@ -41,6 +41,8 @@ TINY_PIPELINES = {  # family: (the tests' builder, its module, the options of it
              ["data.resolution=16", "data.max_sequence_length=8"]),
     "qwen_image": ("build_tiny_qwen_image_pipeline", "tests.dmd2.families.qwen_image.tiny_pipeline",
                    ["data.resolution=16", "data.max_sequence_length=64"]),
+    "flux2_klein": ("build_tiny_klein_pipeline", "tests.dmd2.families.flux.klein.tiny_pipeline",
+                    ["data.resolution=16", "data.max_sequence_length=24"]),
     "wan": ("build_tiny_wan_pipeline", "tests.dmd2.families.wan.tiny_pipeline",
             ["data.frames=5", "data.height=16", "data.width=16", "data.max_sequence_length=8"]),
 }
@@ -64,7 +66,8 @@ def tiny_teacher(family: str, folder: Path) -> list[str]:
 def one_run(recipe: str, seed: int, rollouts: int | None, tiny: bool, options: list[str]) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         if tiny:
-            options = tiny_teacher(family_for(load_recipe(recipe).model).name, Path(tmp)) + options
+            family = family_for(load_recipe(recipe, parse_overrides(options)).model).name  # as --set names it
+            options = tiny_teacher(family, Path(tmp)) + options
         config = load_recipe(recipe, parse_overrides(options))
         config = config.replace("train", seed=seed, rollouts=rollouts or config.train.rollouts)
         family, cache = family_for(config.model), default_cache_dir()

@@ -82,6 +82,7 @@ FAMILIES = {
     "flux": Registration("dmd2.families.flux.family:FluxFamily", "dmd2.families.flux.checks",
                          reads=("[dmd2] teacher_true_cfg_scale",)),
     "qwen_image": Registration("dmd2.families.qwen_image.family:QwenImageFamily", "dmd2.families.qwen_image.checks"),
+    "flux2_klein": Registration("dmd2.families.flux.klein.family:Flux2KleinFamily", "dmd2.families.flux.klein.checks"),
 }
 
 

@@ -135,7 +135,7 @@ def model_card(text: CardText, teacher_dir: Path, num_steps: int, shift: float, 
         "```python", "import torch", f"from diffusers import {text.pipeline}", "",
         f'pipe = {text.pipeline}.from_pretrained("<this directory>")',
         "torch.manual_seed(0)  # the scheduler's re-noising draws from torch's global generator",
-        f'image = pipe("a photo of a cat", num_inference_steps={num_steps}, {text.call}).images[0]',
+        f'image = pipe(prompt="a photo of a cat", num_inference_steps={num_steps}, {text.call}).images[0]',
         "```", "",
         f"Sample with `num_inference_steps={num_steps}` and {text.guidance}. "
         f"Each step predicts x0 and re-noises it to the next sigma of the student's grid [{grid}] (shift {shift}); "
@@ -161,7 +161,7 @@ def lora_usage(text: CardText, lora: Any, num_steps: int) -> list[str]:
         f'pipe = {text.pipeline}.from_pretrained("<the teacher>")',
         f'pipe.load_lora_weights("<this directory>/{LORA_DIR}")',
         'pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained("<this directory>", subfolder="scheduler")',
-        f'image = pipe("a photo of a cat", num_inference_steps={num_steps}, {text.call}).images[0]',
+        f'image = pipe(prompt="a photo of a cat", num_inference_steps={num_steps}, {text.call}).images[0]',
         "```", ""]
 
 
@@ -189,7 +189,7 @@ def export_student(family: Any, student: nn.Module, config: Any, out_dir: Path, 
 
     teacher_dir, num_steps, shift = Path(config.model.teacher), config.student.num_steps, config.student.grid_shift
     check_card(card)
-    index = check_pipeline(teacher_dir, family.pipeline_classes, family.name)
+    index = family.export_index(check_pipeline(teacher_dir, family.pipeline_classes, family.name))
     scheduler = family.export_scheduler(config)
     check_sigmas_grid(scheduler, num_steps, shift)
     note = (f"the scheduler (`stochastic_sampling`, a fixed `shift` {shift:.6g} of the pipeline's sigmas "

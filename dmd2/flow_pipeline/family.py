@@ -8,9 +8,10 @@ holding the training prompts, then the eval prompts; the negative prompt is inde
 `[data] resolution` normalised as the pipeline normalises them; the student's grid and the critic's sigmas follow
 the teacher's time shift at that resolution unless the recipe sets its own.
 
-A family gives: its pipeline classes and transformer class, `teacher_shift`, `sample_shape`, `default_resolution`,
-`encode_prompts` (and `table_from` when its table is not `PromptTable`), `velocity`, `decode_latents` (and
-`load_vae`), the export's card text and scheduler, and how its export is called (`pipeline_call`).
+A family gives: its pipeline classes and transformer class, `teacher_shift` (or `run_shift`), `sample_shape`,
+`default_resolution`, `encode_prompts` (and `table_from` when its table is not `PromptTable`), `velocity`,
+`decode_latents` (and `load_vae`), the export's card text and scheduler (and `export_index`), and how its export is
+called (`pipeline_call`).
 """
 
 import dataclasses
@@ -53,6 +54,11 @@ class PipelineFamily(ModelFamily):
         """The teacher's time shift at `resolution` (dmd2/flow_pipeline/files.py)."""
         raise NotImplementedError
 
+    def run_shift(self, teacher: str, config: DistillConfig) -> float:
+        """The shift of the run's grid and critic sigmas: the teacher's at `[data] resolution`. A family whose pipeline
+        also shifts by the step count (FLUX.2 [klein]) overrides this instead, with the student's steps."""
+        return self.teacher_shift(teacher, config.data.resolution)
+
     def sample_shape(self, teacher: str, config: DistillConfig) -> tuple[int, ...]:
         """The normalised latent shape of one sample of `[data] resolution`."""
         raise NotImplementedError
@@ -87,6 +93,10 @@ class PipelineFamily(ModelFamily):
         return FlowMatchEulerDiscreteScheduler(shift=config.student.grid_shift, use_dynamic_shifting=False,
                                                stochastic_sampling=True)
 
+    def export_index(self, index: dict[str, Any]) -> dict[str, Any]:
+        """The export's model_index.json before its components are set: the teacher's (its pipeline options kept)."""
+        return index
+
     def card_text(self, config: DistillConfig) -> CardText:
         """What the export's model card says of the pipeline (dmd2/flow_pipeline/export.py)."""
         return self.card
@@ -109,7 +119,7 @@ class PipelineFamily(ModelFamily):
             resolution = config.data.resolution or self.default_resolution(teacher)
             config = config.replace("data", resolution=resolution)
             self.sample_shape(teacher, config)
-            shift = self.teacher_shift(teacher, resolution)
+            shift = self.run_shift(teacher, config)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         return config.with_teacher_shift(shift).replace(

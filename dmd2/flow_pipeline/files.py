@@ -97,7 +97,12 @@ def mu_of(config: dict[str, Any], image_seq_len: int) -> float:
 
 def dynamic_shift(config: dict[str, Any], image_seq_len: int) -> float:
     """The fixed shift equal to the scheduler's dynamic time shift at `image_seq_len` tokens (module docstring)."""
-    mu = mu_of(config, image_seq_len)
+    return shift_of_mu(config, mu_of(config, image_seq_len))
+
+
+def shift_of_mu(config: dict[str, Any], mu: float) -> float:
+    """The fixed shift equal to this scheduler config's dynamic time shift at `mu`, however the pipeline computed it
+    (FLUX.2 [klein]'s `compute_empirical_mu` is no `calculate_shift`)."""
     return mu if config.get("time_shift_type", "exponential") == "linear" else math.exp(mu)
 
 

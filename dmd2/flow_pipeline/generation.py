@@ -42,6 +42,7 @@ class PipelineGenerator:
         # global generator: seed both, and leave the caller's global state as it was.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
-            images = self.pipeline(prompts, num_inference_steps=self.num_steps, output_type="np",
+            # `prompt=` by name: Flux2KleinPipeline's first argument is a conditioning image
+            images = self.pipeline(prompt=prompts, num_inference_steps=self.num_steps, output_type="np",
                                    generator=torch.Generator(device).manual_seed(seed), **self.call).images
         return [(np.clip(image, 0, 1) * 255).round().astype(np.uint8) for image in images]

@@ -1,0 +1,25 @@
+"""What the flux2_klein family accepts, decided from the pipeline's JSON files and the prompt file alone (standard
+library: the CLI asks `claims` and `check` through the registry before anything heavy loads)."""
+
+from dmd2.config import DistillConfig
+from dmd2.families.flux.klein.pipeline import (FAMILY, PIPELINE_CLASSES, check_guidance, check_klein_pipeline,
+                                               default_resolution, latent_shape, teacher_shift)
+from dmd2.flow_pipeline.checks import check_recipe
+from dmd2.flow_pipeline.files import is_pipeline
+
+
+def claims(teacher: str) -> bool:
+    """Whether `[model] teacher` is a local Flux2KleinPipeline directory."""
+    return is_pipeline(teacher, PIPELINE_CLASSES)
+
+
+def check(config: DistillConfig) -> None:
+    """Refuse teachers, students, critics, prompt files and options the family cannot run with."""
+    def check_teacher(teacher: str) -> None:
+        check_klein_pipeline(teacher)
+        resolution = config.data.resolution or default_resolution(teacher)
+        latent_shape(teacher, resolution)
+        teacher_shift(teacher, resolution, config.student.num_steps)  # the scheduler's checks, and its mu
+        check_guidance(teacher, config)
+
+    check_recipe(config, FAMILY, PIPELINE_CLASSES, check_teacher)
