@@ -245,7 +245,7 @@ def as_json(plan, config: DistillConfig, args: argparse.Namespace, fits: bool, g
 # the models; not the schedule (rollouts, intervals, seed), the learning rates, evaluation or the registry.
 PLANNED_SECTIONS = ("model", "student", "dmd2", "data", "train")
 UNPLANNED_TRAIN = ("rollouts", "seed", "save_interval", "eval_interval", "keep_rollouts", "max_failures", "sleep")
-PLAN_FORMAT = 7  # of the cached plans: a plan of another format is made again
+PLAN_FORMAT = 8  # of the cached plans: a plan of another format is made again
 
 
 def cached_plan(config: DistillConfig, family, cache_dir: Path):

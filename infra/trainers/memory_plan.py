@@ -2,8 +2,8 @@
 
 One GPU holds rank i of the critic group and rank i of the actor group (they share placement bundle i,
 infra/trainers/cluster.py). A group sleeps after its stage (its weights, optimizer state and EMA parked in host
-memory) and the critic's teacher is on the GPU only while it scores (infra/trainers/rank.py), so a stage's peak
-is what the awake group holds then. The plan rehearses one rollout as the ranks run it, and then an evaluation and
+memory) and the critic's teacher is on the GPU only while it scores (infra/trainers/rank.py; under FSDP2 it is
+sharded like the critic, `held_teacher`), so a stage's peak is what the awake group holds then. The plan rehearses one rollout as the ranks run it, and then an evaluation and
 a checkpoint (infra/trainers/rehearsal.py): the models are built from their configs on the meta device (no weight
 is read) and given fake storage (torch's `FakeTensorMode`), held as `[train]` says (`infra.trainers.models`: LoRA
 adapters, the GAN head, recomputed activations, FSDP2 over a fake process group of the world size), and the stages
@@ -37,7 +37,7 @@ from dmd2.memory import MemoryLedger, StagePeak, block_bytes
 from infra.trainers.ddp_buckets import DdpBuckets
 from infra.trainers.flops import FlopCount
 from infra.trainers.offload import optimizer_tensors
-from infra.trainers.parallel import borrows_teacher, mesh_shape, replicated
+from infra.trainers.parallel import mesh_shape, replicated
 from infra.trainers.rehearsal import (DEVICE, STAGES, Parking, Wrap, gpu_models, rehearse, rehearse_outputs,
                                       rehearsed_steps)
 from infra.trainers.sequence import sequence_mesh
@@ -82,12 +82,11 @@ class MemoryPlan:
         return self.peak.peak + self.host_parked
 
     def host_loading(self, gpus_per_node: int, sharded: bool) -> int:
-        """The most host memory a node's ranks take while they load, every rank at once: each critic rank reads the
-        teacher (to its GPU, then parked), and the trained models are read whole by rank 0 of each group alone
-        (FSDP2: the others receive their shards) or by every rank (DDP); each read at `LOAD_OVERHEAD` its bytes."""
+        """The most host memory a node's ranks take while they load, every rank at once: each model (the critic's
+        teacher too) is read whole by rank 0 of its group alone (FSDP2: the others receive their shards) or by every
+        rank (DDP); each read at `LOAD_OVERHEAD` its bytes."""
         readers = 1 if sharded else gpus_per_node
-        trained = self.whole["actor"] + self.whole["critic"]
-        return int(LOAD_OVERHEAD * (readers * trained + gpus_per_node * self.whole["teacher"]))
+        return int(LOAD_OVERHEAD * readers * sum(self.whole.values()))
 
     def host_export(self, sharded: bool) -> int:
         """The host memory rank 0 takes to export the student: under FSDP2 its state gathered there and the plain
@@ -154,18 +153,15 @@ def plan_memory(spec: RunSpec) -> MemoryPlan:
     peaks = ledger.peaks
     computing = dict(COMPUTING, evaluate=COMPUTING["evaluate"] if family.splits_evaluation else ())  # else a copy
     if config.train.parallel in SHARDED:
-        gathers = {role: gathered_ahead(gpu.module(role), torch.bfloat16 if config.train.mixed_precision == "bf16"
-                                        else None) for role in ("actor", "critic")} | {"teacher": 0}  # whole
+        gathers = {name: gathered_ahead(module, torch.bfloat16 if config.train.mixed_precision == "bf16" else None)
+                   for name, module in (("actor", gpu.module("actor")), ("critic", gpu.module("critic")),
+                                        ("teacher", gpu.teacher))}
         peaks = [_with_temporaries(peak, max((gathers[name] for name in computing[peak.stage]), default=0))
                  for peak in peaks]
-    # With nothing asleep (sleep = "never"), DDP's wrapper stays too: the asleep group's buckets are resident; and the
-    # critic's teacher beside a second one, where the reference samples cannot borrow it.
+    # With nothing asleep (sleep = "never"), DDP's wrapper stays too: the asleep group's buckets are resident.
     buckets = {role: DdpBuckets.bytes_of(gpu.module(role)) if replicated(config) else 0 for role in ("actor", "critic")}
     buckets[None] = 0
-    second = not borrows_teacher(config)
-    resident = max(peak.peak + stages.parked[peak.stage] + buckets[ASLEEP[peak.stage]]
-                   + (peak.by_category.get("teacher", 0) if peak.stage == "reference" and second else 0)
-                   for peak in peaks)
+    resident = max(peak.peak + stages.parked[peak.stage] + buckets[ASLEEP[peak.stage]] for peak in peaks)
     flops = {name: stages.flops[name] for name in STAGES}  # a rollout's: the outputs come now and then
     whole = {role: _whole_bytes(gpu.module(role)) for role in ("actor", "critic")}
     whole["teacher"] = _whole_bytes(gpu.teacher)

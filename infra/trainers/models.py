@@ -1,5 +1,6 @@
 """How a rank holds its models: the trained model from its loaded init (`role_model`), on its device as
-`[train]` says (`held_model`), the frozen teacher's dtype, and the call the algorithm makes (`rank_velocity`).
+`[train]` says (`held_model`), the frozen teacher likewise (`held_teacher`), and the call the algorithm makes
+(`rank_velocity`).
 The rank workers (infra/trainers/rank.py) and `dmd2 plan` (infra/trainers/memory_plan.py) share them, so the
 plan measures the very models a run trains."""
 
@@ -50,16 +51,27 @@ def held_model(model: nn.Module, config: DistillConfig, mesh: DeviceMesh | None 
     return fsdp(model, train.mixed_precision == "bf16", mesh) if train.parallel in SHARDED else model
 
 
+def held_teacher(model: nn.Module, config: DistillConfig, mesh: DeviceMesh | None = None,
+                 sequence: DeviceMesh | None = None) -> nn.Module:
+    """The frozen teacher on its device as the critic is held, never trained: its tokens split over ``sequence``'s
+    ranks and, with `parallel = "fsdp"` or `"hsdp"`, sharded over ``mesh`` (each forward gathers one block at a time,
+    as the critic's do: an eighth of it resident on each of 8 GPUs, not a whole copy parked and brought back)."""
+    split_sequence(model, sequence)
+    if config.train.parallel in SHARDED:
+        model = fsdp(model, config.train.mixed_precision == "bf16", mesh)
+    return model.eval().requires_grad_(False)
+
+
 def sharded_from_rank0(load: Callable[[], nn.Module], on_meta: Callable[[], nn.Module], config: DistillConfig,
-                       device: torch.device) -> nn.Module:
-    """The trained model sharded (`held_model`, over `shard_mesh`) without a whole copy on any device, and
-    on the host of rank 0 alone: every rank builds it on the meta device (``on_meta``) and shards it there, rank 0
-    reads the weights into host memory (``load``), and each rank receives its shards of them
+                       device: torch.device, hold: Callable[..., nn.Module] = held_model) -> nn.Module:
+    """A model held by ``hold`` (`held_model`, or `held_teacher`), sharded over `shard_mesh` without a whole copy on
+    any device, and on the host of rank 0 alone: every rank builds it on the meta device (``on_meta``) and shards it
+    there, rank 0 reads the weights into host memory (``load``), and each rank receives its shards of them
     (`set_model_state_dict` with `broadcast_from_rank0`, one tensor at a time through the device). Buffers,
     which FSDP2 leaves whole, are rank 0's, broadcast. Collective: every rank of the group calls it."""
     whole = load() if dist.get_rank() == 0 else None
-    model = held_model(on_meta(), config, shard_mesh(config.train, device.type),
-                       sequence_mesh(config.train, device.type)).to_empty(device=device)
+    model = hold(on_meta(), config, shard_mesh(config.train, device.type),
+                 sequence_mesh(config.train, device.type)).to_empty(device=device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, whole.state_dict() if whole is not None else {}, options=options)
     buffers = dict(whole.named_buffers()) if whole is not None else {}

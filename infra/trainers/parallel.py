@@ -96,10 +96,10 @@ def replicated(config: DistillConfig) -> bool:
 
 def borrows_teacher(config: DistillConfig) -> bool:
     """Whether a split evaluation's reference samples borrow the critic's teacher in the ranks' process
-    (`StudentOutputs`) rather than load a second copy: not when the groups run in processes of their own (`[cluster]
-    colocate = false`), nor when it is split over a sequence group (`[train] sequence_parallel`: its forwards are
-    that group's collectives, the reference's each rank's own). The ranks and the plan read it alike."""
-    return config.cluster.colocate and config.train.sequence_parallel == 1
+    (`StudentOutputs`), sharded and split over a sequence group as the critic holds it, rather than each rank load a
+    whole copy: not when the groups run in processes of their own (`[cluster] colocate = false`). The ranks and the
+    plan read it alike."""
+    return config.cluster.colocate
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:

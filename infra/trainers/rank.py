@@ -35,10 +35,10 @@ from dmd2.rollout import rollout_shard
 from dmd2.trainer import HookContext, train_state, train_steps
 from infra.trainers.collective import gather_rows, on_every_rank, on_rank0
 from infra.trainers.hooks import resolve_hooks
-from infra.trainers.models import held_model, rank_velocity, role_model, sharded_from_rank0
+from infra.trainers.models import held_model, held_teacher, rank_velocity, role_model, sharded_from_rank0
 from infra.trainers.offload import HostCopy, module_tensors, own_storage, sleeping_tensors
 from infra.trainers.parallel import ddp, free_port, rank_device, replicated, use_device
-from infra.trainers.sequence import data_rank, sequence_mesh, split_sequence
+from infra.trainers.sequence import data_rank, sequence_mesh
 from infra.trainers.payloads import get_record, put_record
 from infra.trainers.prepare import load_prepared
 from infra.store import ArtifactRef, ArtifactStore
@@ -144,13 +144,20 @@ class RankWorker(StudentOutputs):
         self._wrap()
         self.teacher = None
         if self.trainer.teacher is not None:
-            teacher = own_storage(family.load_model(self.trainer.teacher, teacher_dtype(config)).to(self.device))
-            split_sequence(teacher, self.sequence)
-            self.teacher = teacher.eval().requires_grad_(False)
+            self.teacher = self._held_teacher(self.trainer.teacher, teacher_dtype(config))
             if self.sleeps:
                 self._teacher_host.offload(module_tensors(self.teacher))  # on the device only while scoring
         self.sleep()  # asleep until its first stage: at no time are two groups awake for nothing
         logger.info("ready: %s from %s on %s (%s)", self.trainer.role, self.trainer.init, self.device, backend)
+
+    def _held_teacher(self, path: str, dtype: torch.dtype) -> nn.Module:
+        """The frozen teacher as `held_teacher` holds it: sharded like the critic (read by rank 0 alone), or whole."""
+        family, config = self.family, self.spec.config
+        if self.sharded:
+            return sharded_from_rank0(lambda: family.load_model(path, dtype), lambda: family.model_on_meta(path, dtype),
+                                      config, self.device, hold=held_teacher)
+        return held_teacher(own_storage(family.load_model(path, dtype).to(self.device)), config,
+                            sequence=self.sequence)
 
     def _velocity(self, model: nn.Module) -> VelocityFn:
         return rank_velocity(self.family, model, self.spec.config, self.device)

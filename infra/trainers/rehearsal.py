@@ -31,9 +31,10 @@ from dmd2.trainer import HookContext, Hooks, TrainState, train_state, train_step
 from infra.trainers.configs import compute_trainer_configs
 from infra.trainers.ddp_buckets import DdpBuckets
 from infra.trainers.hooks import resolve_hooks
-from infra.trainers.models import held_model, rank_velocity, role_model
+from infra.trainers.models import held_model, held_teacher, rank_velocity, role_model
 from infra.trainers.offload import module_tensors, sleeping_tensors
-from infra.trainers.sequence import sequence_mesh, split_sequence
+from infra.trainers.parallel import borrows_teacher
+from infra.trainers.sequence import sequence_mesh
 
 STAGES = ("rollout", "convert", "critic-train", "score", "actor-train")
 OUTPUT_STAGES = ("evaluate", "reference", "checkpoint")  # now and then after a rollout (`rehearse_outputs`)
@@ -56,6 +57,7 @@ class GpuModels:
     device: torch.device = DEVICE  # where the models are: the plan's fake CPU, or a real device (bench/gpu.py)
     asleep: set[str] = dataclasses.field(default_factory=set)  # roles, and "teacher" while it is parked
     whole_student: Callable[[], nn.Module] | None = None  # a plain copy of the student, as FSDP2's is gathered
+    whole_teacher: Callable[[], nn.Module] | None = None  # a copy of the teacher, as an evaluation loads one
 
     def module(self, role: str) -> nn.Module:
         """The group's model unwrapped, which its forwards without grad run (the rollout, scoring)."""
@@ -109,11 +111,11 @@ def gpu_models(spec: RunSpec, load: Load, mesh=None, wrap: Wrap | None = None,
         states[trainer.role] = _with_optimizer_state(state)
         hooks[trainer.role] = resolve_hooks(trainer.hooks, trainer.role)
         if trainer.teacher is not None:
-            teacher = split_sequence(load(trainer.teacher, teacher_dtype(config)), sequence)
-            teacher = teacher.eval().requires_grad_(False)
+            teacher = held_teacher(load(trainer.teacher, teacher_dtype(config)), config, mesh, sequence)
     actor = trainers["actor"]
     gpu = GpuModels(spec, states["actor"], states["critic"], teacher, hooks, wrap, device,
-                    whole_student=lambda: role_model(load(actor.init, None), family, actor, config))
+                    whole_student=lambda: role_model(load(actor.init, None), family, actor, config),
+                    whole_teacher=lambda: load(config.model.teacher, teacher_dtype(config)).eval())
     for state in states.values():
         gpu._hold(state, wrap(state.model) if wrap is not None else state.model)
     return gpu
@@ -201,8 +203,8 @@ def rehearse_outputs(gpu: GpuModels, stage: Callable[[str], AbstractContextManag
     them on rank 0 with a whole copy of the student (under FSDP2 gathered beside the shards).
     "reference": the teacher's reference samples, made at the run's first evaluation (before the student's: the
     order changes neither's peak), by a family that splits its evaluation: this rank's share, with the critic's
-    teacher, which the evaluation borrows in the ranks' process (or a copy it loads beside it where it cannot: see
-    `StudentOutputs._teacher_lender`). Any other family makes them on the host: no row.
+    teacher, which the evaluation borrows in the ranks' process (or, where it cannot, a whole copy it loads while
+    the critic's sleeps: see `StudentOutputs._teacher_lender`). Any other family makes them on the host: no row.
     "checkpoint", as `save_groups`: the critic saves first, woken beside the awake actor (DCP copies each tensor to
     host memory as it writes it), and sleeps again."""
     spec, device = gpu.spec, gpu.device
@@ -219,10 +221,14 @@ def rehearse_outputs(gpu: GpuModels, stage: Callable[[str], AbstractContextManag
         generate(rank_velocity(family, student, config, device), sampler="student", **sample(False))
         del student
     if family.splits_evaluation:
-        gpu.wake("teacher", parking)
+        borrowed = borrows_teacher(config)
+        if borrowed:
+            gpu.wake("teacher", parking)
         with stage("reference"), torch.no_grad():
-            generate(rank_velocity(family, gpu.teacher, config, device), sampler="teacher",
+            teacher = gpu.teacher if borrowed else gpu.whole_teacher()
+            generate(rank_velocity(family, teacher, config, device), sampler="teacher",
                      guidance_scale=config.dmd2.teacher_guidance_scale, **sample(True))
+            del teacher
         gpu.sleep("teacher", parking)
     gpu.wake("critic", parking)
     with stage("checkpoint"):

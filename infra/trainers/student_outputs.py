@@ -81,13 +81,20 @@ class StudentOutputs:
                 return on_rank0(work, self._objects)
 
     def _student_share(self, evaluator, velocity):
-        """This rank's share of a split evaluation's student samples. Under `[train] sequence_parallel` a sequence
-        group samples one share together (its model's forwards are its collectives); its first rank keeps it."""
+        """This rank's share of a split evaluation's student samples (`_data_share`)."""
+        return self._data_share(lambda rank, ranks: evaluator.student_share(velocity, rank, ranks))
+
+    def _data_share(self, sample):
+        """``sample(data rank, data ranks)``, for this rank's share of a split evaluation: under `[train]
+        sequence_parallel` a sequence group samples one share together (its models' forwards are its collectives);
+        its first rank keeps it (the samples, a tensor or a dict of them), the others none."""
         train = self.spec.config.train
 
-        def share() -> Tensor:
-            samples = evaluator.student_share(velocity, data_rank(self.rank, train), train.data_ranks)
-            return samples if sequence_rank(self.rank, train) == 0 else samples[:0]
+        def share():
+            samples = sample(data_rank(self.rank, train), train.data_ranks)
+            if sequence_rank(self.rank, train) == 0:
+                return samples
+            return samples[:0] if isinstance(samples, Tensor) else {name: t[:0] for name, t in samples.items()}
         return share
 
     def _result(self, evaluation: Evaluation, run_id: str, step: int, with_baselines: bool) -> EvalResult:
@@ -112,11 +119,11 @@ class StudentOutputs:
         return on_rank0(work, self._objects)
 
     def _share_references(self, evaluator) -> None:
-        """The teacher's samples of a split evaluation made by every rank, a share each, for rank 0's evaluator,
-        unless it has them (made or stored earlier in the run). Collective."""
+        """The teacher's samples of a split evaluation made by every rank, a share each (`_data_share`), for rank 0's
+        evaluator, unless it has them (made or stored earlier in the run). Collective."""
         if on_rank0(evaluator.has_references, self._objects):
             return
-        shares = gathered(lambda: evaluator.teacher_share(self.rank, self.world_size), self._objects)
+        shares = gathered(self._data_share(evaluator.teacher_share), self._objects)
         if self.rank == 0:
             evaluator.with_references({name: torch.cat([share[name] for share in shares]) for name in shares[0]})
 

@@ -170,9 +170,13 @@ def _measure_rank(rank: int, port: int, teacher: str, parallel: str, out: str) -
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_at_world_size_2_each_stages_planned_peak_is_within_10_percent_of_each_ranks(teacher, parallel, tmp_path):
-    """The plan of one GPU of two (a fake process group) against two real gloo ranks, each in its own process."""
+    """The plan of one GPU of two (a fake process group) against two real gloo ranks, each in its own process. Under
+    FSDP2 the teacher is sharded like the critic: half of it on each GPU while it scores."""
     run = config(teacher, parallel, world_size=2)
     plan = plan_memory(family_for(run.model).plan_spec(run))
+    scoring = next(stage for stage in plan.stages if stage.stage == "score")
+    shards = 2 if parallel == "fsdp" else 1
+    assert scoring.by_category["teacher"] == pytest.approx(plan.whole["teacher"] / shards, rel=0.05)  # + padding
     out = str(tmp_path / "peaks")
     torch.multiprocessing.start_processes(_measure_rank, (free_port(), teacher, parallel, out), nprocs=2,
                                           start_method="spawn")

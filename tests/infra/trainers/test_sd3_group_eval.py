@@ -1,6 +1,6 @@
 """SD3 evaluation on a world-size-2 FSDP2 group (infra/trainers/rank.py `evaluate`): every rank samples its
-share of the eval prompts with the model as it holds it, the teacher's with the critic's teacher of its process,
-and rank 0's scores are those of the same student evaluated whole in one process."""
+share of the eval prompts with the model as it holds it, the teacher's with the critic's teacher of its process
+(sharded like the critic), and rank 0's scores are those of the same student evaluated whole in one process."""
 
 import dataclasses
 
@@ -48,9 +48,11 @@ def test_a_world_size_2_group_splits_sd3_evaluation_between_its_ranks(shared_ray
         result = groups.actor.evaluate("sd3", 1)
         batches = ray.get([process.__ray_call__.remote(lambda process: process.batches)
                            for process in groups.actor.processes])
-        # the reference samples used the critic's teacher, lent in the same process and parked again after
+        # the reference samples used the critic's teacher, sharded like the critic (FSDP2: DTensor parameters),
+        # lent in the same process and parked again after
         borrowed = ray.get([process.__ray_call__.remote(lambda process: (
             process.workers["actor"]._evaluator.lent_teacher is not None,
+            {type(p).__name__ for p in process.workers["critic"].teacher.parameters()},
             process.workers["critic"]._teacher_host.parked)) for process in groups.actor.processes])
         [weights] = {ref.uri: ref for ref in groups.actor.export_weights("sd3/exports/student.safetensors")}.values()
     finally:
@@ -65,7 +67,7 @@ def test_a_world_size_2_group_splits_sd3_evaluation_between_its_ranks(shared_ray
     student = bound.load_model(str(teacher))
     student.load_state_dict(store.get_tensors(weights))
     whole = SD3Evaluator.build(bound, config).evaluate(HostCalls(bound.velocity(student.eval()), student.device))
-    assert borrowed == [(True, True), (True, True)]
+    assert borrowed == [(True, {"DTensor"}, True), (True, {"DTensor"}, True)]
     assert result.scores.keys() == whole.scores.keys()  # `whole` loads its own teacher: the same reference samples
     for key, value in whole.scores.items():
         assert result.scores[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key

@@ -8,6 +8,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 import torch.distributed as dist
 
@@ -118,8 +119,9 @@ def wan_spec(teacher: Path, prompts: Path, store, world_size: int, **train):
 
 
 def two_rollouts(spec, store) -> dict:
-    """Each rollout's metrics, the groups' weights after two, read back from rank 0's export, and the student's
-    evaluation (split over the ranks: 3 prompts x 2 noises)."""
+    """Each rollout's metrics, the groups' weights after two, read back from rank 0's export, the student's
+    evaluation (split over the ranks: 3 prompts x 2 noises), and whether each rank's evaluation borrowed the critic's
+    teacher for its reference samples."""
     from infra.trainers.cluster import RankResources
     from infra.trainers.stages import build_groups, run_rollout_on_groups
 
@@ -129,7 +131,10 @@ def two_rollouts(spec, store) -> dict:
         tag = f"{spec.config.train.world_size}-{spec.config.train.parallel}"
         weights = {group.role: store.get_tensors(group.export_weights(f"{RUN}/{tag}-{group.role}.safetensors")[0])
                    for group in groups.in_order()}
-        return {"metrics": metrics, "weights": weights, "scores": groups.actor.evaluate(RUN, ROLLOUTS).scores}
+        scores = groups.actor.evaluate(RUN, ROLLOUTS).scores
+        borrowed = ray.get([process.__ray_call__.remote(lambda process: process.workers["actor"]._evaluator.lent_teacher
+                                                        is not None) for process in groups.actor.processes])
+        return {"metrics": metrics, "weights": weights, "scores": scores, "borrowed": borrowed}
     finally:
         groups.shutdown()
 
@@ -160,7 +165,9 @@ def test_two_rollouts_with_the_tokens_split_over_two_ranks_train_the_same_models
     for one, two in zip(alone["metrics"], split["metrics"]):
         for key in ("loss", "critic-loss", "grad_norm", "critic-grad_norm"):
             assert two[key] == pytest.approx(one[key], rel=1e-4), key
-    # Each sequence group sampled one share of the evaluation: the same videos, scored alike.
+    # Each sequence group sampled one share of the evaluation, the teacher's references with the critic's teacher
+    # split over it as for scoring: the same videos, scored alike.
+    assert split["borrowed"] == [True, True]
     assert alone["scores"] and split["scores"].keys() == alone["scores"].keys()
     for key, value in alone["scores"].items():
         assert split["scores"][key] == pytest.approx(value, rel=1e-3, abs=1e-5), key
