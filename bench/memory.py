@@ -11,8 +11,8 @@ fragmentation: keep ~10% of a GPU for those). Measured per rank, for one layout 
 
     train     two AdamW steps of a DMD2 group (critic-train, actor-train) on B samples, the second's peak:
               the trained model's weights, gradients and optimizer state, its activations and temporaries
-    score     the frozen teacher (bf16, whole on every rank) on 2B samples (CFG's two branches) without grad,
-              beside the critic's resident weights and optimizer state
+    score     the frozen teacher (bf16; sharded like the critic under FSDP2, as the ranks hold it) on 2B samples
+              (CFG's two branches) without grad, beside the critic's resident weights and optimizer state
     rollout   the student's forward without grad on B samples (one step of backward simulation)
 
 "ddp" is measured as one whole replica, without DDP's gradient buckets (alive through the whole step, where
@@ -103,7 +103,7 @@ def measure(config: dict, layout: Layout, world_size: int, batch: int, resolutio
         # Built before the ledger starts (a module's tensors cannot be swapped while a mode watches them);
         # each is counted from when it is labelled.
         trained = model(trained, layout, mesh)
-        teacher = model(teacher, Layout(layout.bf16, False, False), None).eval().requires_grad_(False)
+        teacher = model(teacher, Layout(layout.bf16, layout.sharded, False), mesh).eval().requires_grad_(False)
         optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-5, betas=(0.0, 0.999))
         with ledger:
             ledger.label(trained, "weights")

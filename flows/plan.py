@@ -122,7 +122,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def loading(train) -> str:
     who = "rank 0 of each group" if train.parallel in SHARDED else "every rank"
-    return f"{who} reading the trained models whole, every critic rank the teacher"
+    return f"{who} reading its models whole, the critic's the teacher too"
 
 
 def rollout_seconds(plan, gpu_tflops: float, mfu: float) -> float:

@@ -40,9 +40,9 @@ def test_one_rank_holds_its_shards_their_moments_and_whole_buffers(fake_group):
     assert train["weights"] == shards + whole_buffers
     assert train["optimizer"] == sum(2 * shard_bytes(p) + BLOCK_BYTES for p in params)
     assert figures["parameters"] == sum(p.numel() for p in params)
-    # Scoring adds the whole teacher on every rank (fp32 here), beside the critic's sharded state.
+    # Scoring adds the teacher sharded like the critic (fp32 here), beside the critic's sharded state.
     score = figures["rows"]["score"]
-    assert score["teacher"] == sum(block_bytes(t.numel() * t.element_size()) for t in [*params, *buffers])
+    assert score["teacher"] == shards + whole_buffers
     assert score["weights"] == train["weights"] and score["peak"] >= score["teacher"] + score["weights"]
     assert figures["peak"] == max(row["peak"] for row in figures["rows"].values())
 
