@@ -4,6 +4,7 @@ the lookup that turns the prompt indices records carry (dmd2/prompt_index.py) in
 `PromptTable` is the layout of the pipelines whose text conditioning is a token sequence and a pooled vector (SD3's
 CLIPs and T5, FLUX's CLIP and T5): `encode_prompt`'s `prompt_embeds` [P, L, D] and `pooled_prompt_embeds` [P, Dp],
 expanded into `encoder_hidden_states` and `pooled_projections`, the keyword arguments of both transformers.
+`StatesTable` is theirs whose text conditioning is the token sequence alone (Wan's UMT5, FLUX.2 [klein]'s Qwen3).
 """
 
 import math
@@ -102,3 +103,33 @@ class PromptTable:
         """The negative prompt's conditioning for n samples (views of the one row: no copies)."""
         return {"encoder_hidden_states": self.negative_prompt_embeds.expand(n, -1, -1),
                 "pooled_projections": self.negative_pooled_prompt_embeds.expand(n, -1)}
+
+
+@dataclass(frozen=True)
+class StatesTable:
+    """Encoded prompts of a text encoder with no pooled vector: prompt_embeds [P, L, D] and the negative prompt's
+    negative_prompt_embeds [1, L, D] (the names of the pipelines' `encode_prompt` outputs)."""
+
+    prompt_embeds: Tensor
+    negative_prompt_embeds: Tensor
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor]) -> "StatesTable":
+        return cls(tensors["prompt_embeds"], tensors["negative_prompt_embeds"])
+
+    def __len__(self) -> int:
+        return self.prompt_embeds.shape[0]
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "StatesTable":
+        return StatesTable(self.prompt_embeds.to(device=device, dtype=dtype),
+                           self.negative_prompt_embeds.to(device=device, dtype=dtype))
+
+    def cond(self, prompt_index: Tensor) -> Cond:
+        """The transformer's `encoder_hidden_states` [B, L, D] of prompts [B] (int64 in [0, P), or NEGATIVE)."""
+        index = prompt_index.long()
+        check_indices(index, len(self))
+        device = self.prompt_embeds.device
+        rows, negative = index.clamp(min=0).to(device), (index == NEGATIVE).to(device)
+        # `torch.where`, not a boolean-mask assignment: that one waits for the GPU
+        embeds = torch.where(negative[:, None, None], self.negative_prompt_embeds, self.prompt_embeds[rows])
+        return {"encoder_hidden_states": embeds}

@@ -25,7 +25,8 @@ from dmd2.prompt_file import read_prompts
 from dmd2.families.wan.checks import check_student_expert
 from dmd2.families.wan.pipeline import (check_sequence_split, experts, flow_shift_of, is_wan_pipeline, latent_shape,
                                        video_size)
-from dmd2.families.wan.prompts import WanPromptTable, table_key
+from dmd2.families.wan.prompts import table_key
+from dmd2.flow_pipeline.prompts import StatesTable
 from dmd2.model import DiffusersVelocity, VelocityFn
 from dmd2.pipeline_files import read_json
 from dmd2.prompt_index import PromptIndices, TableVelocity, table_dtype, table_part
@@ -51,7 +52,7 @@ class WanFamily(ModelFamily):
     generate_example = ("a cat runs on the grass",)  # prompts
     generated_shape = (-1, -1, -1, 3)  # frames, height, width, RGB
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # the attention layers (diffusers' Wan LoRA loaders')
-    table: WanPromptTable | None = None  # bound on the ranks: the training prompts, then the eval prompts
+    table: StatesTable | None = None  # bound on the ranks: the training prompts, then the eval prompts
 
     def resolve(self, config: DistillConfig, cache_dir: Path) -> DistillConfig:
         model = config.model
@@ -103,7 +104,7 @@ class WanFamily(ModelFamily):
         transformer = TRANSFORMERS.get(teacher) or read_json(Path(teacher) / "transformer" / "config.json",
                                                              "[model] teacher")
         zeros = torch.zeros(1, config.data.max_sequence_length, transformer["text_dim"], device="cpu")
-        return dataclasses.replace(self, table=WanPromptTable(zeros, zeros.clone()))
+        return dataclasses.replace(self, table=StatesTable(zeros, zeros.clone()))
 
     def prepared_key(self, config: DistillConfig) -> str:
         prompts = read_prompts(config.data.prompts) + self.eval_prompts(config)
@@ -124,7 +125,7 @@ class WanFamily(ModelFamily):
     def bind(self, prepared: dict[str, dict[str, Tensor]], device: torch.device | str = "cpu") -> "WanFamily":
         """The prompt table in host memory whatever the device: a model call moves its batch's rows there
         (`TableVelocity`)."""
-        return dataclasses.replace(self, table=WanPromptTable.from_tensors(prepared["prompts"]).to("cpu"))
+        return dataclasses.replace(self, table=StatesTable.from_tensors(prepared["prompts"]).to("cpu"))
 
     def load_model(self, path: str, dtype: torch.dtype | None = None) -> nn.Module:
         if not is_wan_pipeline(path):

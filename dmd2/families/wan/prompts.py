@@ -1,15 +1,13 @@
 """Prompts for a Wan teacher, encoded once by the pipeline's own `encode_prompt` (UMT5; no pooled embedding), and
-the table that turns the prompt indices records carry into the transformer's `encoder_hidden_states`.
+the key its table is stored under.
 
 As SD3's: P prompts and the negative prompt are encoded on a Ray worker once per prompt set, stored under a digest
 of everything an embedding depends on, and rollouts move prompt indices; index -1 (`NEGATIVE`) is the negative
-prompt, CFG's negative branch. `dmd2.prompt_index.TableVelocity` expands them.
+prompt, CFG's negative branch. The table is `dmd2.flow_pipeline.prompts.StatesTable`.
 """
 
 import hashlib
 import json
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +15,9 @@ import torch
 from torch import Tensor
 
 from dmd2.families.wan.pipeline import check_wan_pipeline
-from dmd2.model import Cond
+from dmd2.flow_pipeline.prompts import encode_rows
 from dmd2.pipeline_files import file_sha256, prompts_digest
-from dmd2.prompt_index import ENCODE_BATCH, NEGATIVE
-from dmd2.tensors import is_fake, on_host
+from dmd2.prompt_index import ENCODE_BATCH
 
 TEXT_COMPONENTS = ("text_encoder", "tokenizer")
 
@@ -55,52 +52,14 @@ def load_text_pipeline(path: str | Path, dtype: torch.dtype = torch.float32) -> 
                                        use_safetensors=True)
 
 
-@torch.no_grad()  # encode_prompt records autograd graphs otherwise
 def encode_prompt_table(pipeline: Any, prompts: list[str], negative_prompt: str, max_sequence_length: int,
                         batch_size: int = ENCODE_BATCH) -> dict[str, Tensor]:
     """{"prompt_embeds": [P, L, D], "negative_prompt_embeds": [1, L, D]} on CPU, by `pipeline.encode_prompt`
     (L = max_sequence_length: UMT5's states past a prompt's tokens are zeroed by the pipeline, so a row does not
     depend on its batch)."""
-    if not prompts:
-        raise ValueError("[data] prompts: no prompt to encode; give at least one")
-
-    def encode(batch: list[str]) -> Tensor:
+    def encode(batch: list[str]) -> tuple[Tensor]:
         embeds, _ = pipeline.encode_prompt(batch, do_classifier_free_guidance=False,
                                            max_sequence_length=max_sequence_length)
-        return embeds.cpu()
+        return (embeds.cpu(),)
 
-    rows = [encode(prompts[i * batch_size:(i + 1) * batch_size]) for i in range(math.ceil(len(prompts) / batch_size))]
-    return {"prompt_embeds": torch.cat(rows), "negative_prompt_embeds": encode([negative_prompt])}
-
-
-@dataclass(frozen=True)
-class WanPromptTable:
-    """Encoded prompts: prompt_embeds [P, L, D] and the negative prompt's negative_prompt_embeds [1, L, D] (the
-    names of `WanPipeline.encode_prompt`'s outputs)."""
-
-    prompt_embeds: Tensor
-    negative_prompt_embeds: Tensor
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor]) -> "WanPromptTable":
-        return cls(tensors["prompt_embeds"], tensors["negative_prompt_embeds"])
-
-    def __len__(self) -> int:
-        return self.prompt_embeds.shape[0]
-
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "WanPromptTable":
-        return WanPromptTable(self.prompt_embeds.to(device=device, dtype=dtype),
-                              self.negative_prompt_embeds.to(device=device, dtype=dtype))
-
-    def cond(self, prompt_index: Tensor) -> Cond:
-        """The transformer's conditioning of prompts [B] (int64 in [0, P), or NEGATIVE for the negative prompt)."""
-        index = prompt_index.long()
-        if index.device.type == "cpu" and not is_fake(index):  # as SD3's table: checked where it costs no GPU sync
-            with on_host():
-                if bool(((index < NEGATIVE) | (index >= len(self))).any()):
-                    raise IndexError(f"a prompt index of {index.tolist()} is outside the table of {len(self)} "
-                                     f"prompts (valid: 0..{len(self) - 1}, or {NEGATIVE} for the negative prompt)")
-        index = index.to(self.prompt_embeds.device)
-        negative = (index == NEGATIVE)[:, None, None]
-        embeds = torch.where(negative, self.negative_prompt_embeds, self.prompt_embeds[index.clamp(min=0)])
-        return {"encoder_hidden_states": embeds}
+    return encode_rows(encode, prompts, negative_prompt, ("prompt_embeds",), batch_size)

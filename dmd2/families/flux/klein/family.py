@@ -24,10 +24,11 @@ from dmd2.config import ConfigError, DistillConfig
 from dmd2.family import RunSpec
 from dmd2.families.flux.family import FluxFamily
 from dmd2.families.flux.klein import pipeline
-from dmd2.families.flux.klein.prompts import KleinPromptTable, encode_prompt_table
+from dmd2.families.flux.klein.prompts import encode_prompt_table
 from dmd2.flow_pipeline.export import CardText
 from dmd2.flow_pipeline.family import PipelineFamily
 from dmd2.flow_pipeline.packing import unpack
+from dmd2.flow_pipeline.prompts import StatesTable
 from dmd2.model import VelocityFn
 from dmd2.prompt_index import PromptIndices
 
@@ -45,7 +46,7 @@ class Flux2KleinFamily(PipelineFamily):
     # FLUX.1's attention layers (the double blocks') and the single blocks' fused input projection, as diffusers
     # converts BFL's klein LoRAs (`linear1` -> `to_qkv_mlp_proj`): the single blocks are most of klein's depth.
     lora_targets = FluxFamily.lora_targets + ("to_qkv_mlp_proj",)
-    table: KleinPromptTable | None = None
+    table: StatesTable | None = None
 
     def run_shift(self, teacher: str, config: DistillConfig) -> float:
         return pipeline.teacher_shift(teacher, config.data.resolution, config.student.num_steps)
@@ -68,8 +69,8 @@ class Flux2KleinFamily(PipelineFamily):
                        max_sequence_length: int) -> dict[str, Tensor]:
         return encode_prompt_table(pipe, prompts, negative_prompt, max_sequence_length)
 
-    def table_from(self, tensors: dict[str, Tensor]) -> KleinPromptTable:
-        return KleinPromptTable.from_tensors(tensors)
+    def table_from(self, tensors: dict[str, Tensor]) -> StatesTable:
+        return StatesTable.from_tensors(tensors)
 
     def velocity(self, model: nn.Module) -> VelocityFn:
         from dmd2.families.flux.klein.velocity import KleinVelocity
@@ -112,4 +113,4 @@ class Flux2KleinFamily(PipelineFamily):
         """A table of one zero prompt of `[data] max_sequence_length` tokens of the text width, in host memory."""
         width = pipeline.transformer_config(config.model.teacher)["joint_attention_dim"]
         embeds = torch.zeros(1, config.data.max_sequence_length, width)
-        return dataclasses.replace(self, table=KleinPromptTable(embeds, embeds.clone()))
+        return dataclasses.replace(self, table=StatesTable(embeds, embeds.clone()))

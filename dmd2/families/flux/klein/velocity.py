@@ -31,7 +31,7 @@ def text_ids(length: int, device: torch.device) -> Tensor:
 
 
 class KleinVelocity:
-    """v(x_s, sigma, {"prompt_index": [B]}) of a Flux2Transformer2DModel through a `KleinPromptTable`."""
+    """v(x_s, sigma, {"prompt_index": [B]}) of a Flux2Transformer2DModel through a `StatesTable`."""
 
     def __init__(self, model: nn.Module, table):
         self.model, self.table = model, table
