@@ -148,11 +148,12 @@ class TrainConfig:
     shard_group_size: int = option(8, "With `parallel = \"hsdp\"`: the ranks that shard one copy of each model, "
                                       "normally a node's GPUs; world_size must be a multiple of it.")
     sequence_parallel: int = option(1, "N: each sample's tokens split over N ranks of a group (Ulysses: attention "
-                                       "exchanges the token split for a head split), for videos whose activations do "
-                                       "not fit one GPU; the N ranks hold the same samples, so a group trains on "
-                                       "world_size / N data-parallel shards. N divides world_size, the model's "
-                                       "attention heads and its tokens per sample; only families whose transformer "
-                                       "has a context-parallel plan (wan). 1: off.")
+                                       "exchanges the token split for a head split), for samples whose activations "
+                                       "do not fit one GPU (videos, large pictures); the N ranks hold the same "
+                                       "samples, so a group trains on world_size / N data-parallel shards. N divides "
+                                       "world_size, the model's attention heads and its tokens per sample; only "
+                                       "families whose transformer has a context-parallel plan (wan, flux, "
+                                       "qwen_image). 1: off.")
     activation_checkpointing: bool = option(False, "Recompute each block's activations in backward instead of "
                                                    "keeping them (diffusers' gradient checkpointing): less memory, "
                                                    "about a third more compute per step.")

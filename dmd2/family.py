@@ -80,8 +80,9 @@ FAMILIES = {
     "wan": Registration("dmd2.families.wan.family:WanFamily", "dmd2.families.wan.checks",
                         reads=("[train] sequence_parallel", "[student] expert")),
     "flux": Registration("dmd2.families.flux.family:FluxFamily", "dmd2.families.flux.checks",
-                         reads=("[dmd2] teacher_true_cfg_scale",)),
-    "qwen_image": Registration("dmd2.families.qwen_image.family:QwenImageFamily", "dmd2.families.qwen_image.checks"),
+                         reads=("[dmd2] teacher_true_cfg_scale", "[train] sequence_parallel")),
+    "qwen_image": Registration("dmd2.families.qwen_image.family:QwenImageFamily", "dmd2.families.qwen_image.checks",
+                               reads=("[train] sequence_parallel",)),
     "flux2_klein": Registration("dmd2.families.flux.klein.family:Flux2KleinFamily", "dmd2.families.flux.klein.checks"),
 }
 

@@ -63,6 +63,10 @@ class PipelineFamily(ModelFamily):
         """The normalised latent shape of one sample of `[data] resolution`."""
         raise NotImplementedError
 
+    def check_sequence_split(self, teacher: str, config: DistillConfig) -> None:
+        """Refuse (ValueError) a `[train] sequence_parallel` that cannot split this teacher's samples; only a family
+        that reads the option (`dmd2.family.FAMILIES`) is ever asked with more than one rank."""
+
     def default_resolution(self, teacher: str) -> int:
         raise NotImplementedError
 
@@ -119,6 +123,7 @@ class PipelineFamily(ModelFamily):
             resolution = config.data.resolution or self.default_resolution(teacher)
             config = config.replace("data", resolution=resolution)
             self.sample_shape(teacher, config)
+            self.check_sequence_split(teacher, config)
             shift = self.run_shift(teacher, config)
         except ValueError as error:
             raise ConfigError(str(error)) from None

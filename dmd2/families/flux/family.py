@@ -58,6 +58,10 @@ class FluxFamily(PipelineFamily):
     def default_resolution(self, teacher: str) -> int:
         return pipeline.default_resolution(teacher)
 
+    def check_sequence_split(self, teacher: str, config: DistillConfig) -> None:
+        pipeline.check_sequence_split(teacher, config.data.resolution, config.data.max_sequence_length,
+                                      config.train.sequence_parallel)
+
     def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
         spec = super().run_spec(config, cache_dir)
         bound = dataclasses.replace(self, guidance=_guidance(config), true_cfg=_true_cfg(config))

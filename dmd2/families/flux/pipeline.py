@@ -65,3 +65,12 @@ def default_resolution(teacher: str) -> int:
     """FluxPipeline's default size: 128 latent cells of 8 px, 1024 px (its `default_sample_size`)."""
     _, vae, _ = _configs(teacher)
     return 128 * files.vae_scale_factor(vae["block_out_channels"])
+
+
+def check_sequence_split(teacher: str, resolution: int, text_tokens: int, ranks: int) -> None:
+    """Refuse `[train] sequence_parallel = ranks` where it cannot split a sample: FluxTransformer2DModel's context-
+    parallel plan splits the image's tokens and the text's (and their ids) over the ranks."""
+    transformer, _, _ = _configs(teacher)
+    files.check_sequence_split(ranks, transformer["num_attention_heads"], {
+        f"image tokens of a {resolution} px picture": image_tokens(teacher, resolution),
+        "text tokens ([data] max_sequence_length)": text_tokens})

@@ -2,8 +2,8 @@
 library: the CLI asks `claims` and `check` through the registry before anything heavy loads)."""
 
 from dmd2.config import DistillConfig
-from dmd2.families.qwen_image.pipeline import (PIPELINE_CLASSES, check_qwen_image_pipeline, default_resolution,
-                                               latent_shape, teacher_shift)
+from dmd2.families.qwen_image.pipeline import (PIPELINE_CLASSES, check_qwen_image_pipeline, check_sequence_split,
+                                               default_resolution, latent_shape, teacher_shift)
 from dmd2.flow_pipeline.checks import check_recipe
 from dmd2.flow_pipeline.files import is_pipeline
 
@@ -20,5 +20,6 @@ def check(config: DistillConfig) -> None:
         resolution = config.data.resolution or default_resolution(teacher)
         latent_shape(teacher, resolution)
         teacher_shift(teacher, resolution)  # the scheduler's checks, and its mu at this resolution
+        check_sequence_split(teacher, resolution, config.train.sequence_parallel)
 
     check_recipe(config, "qwen_image", PIPELINE_CLASSES, check_teacher)

@@ -48,6 +48,9 @@ class QwenImageFamily(PipelineFamily):
     def default_resolution(self, teacher: str) -> int:
         return pipeline.default_resolution(teacher)
 
+    def check_sequence_split(self, teacher: str, config: DistillConfig) -> None:
+        pipeline.check_sequence_split(teacher, config.data.resolution, config.train.sequence_parallel)
+
     def encode_prompts(self, pipe: Any, prompts: list[str], negative_prompt: str,
                        max_sequence_length: int) -> dict[str, Tensor]:
         return encode_prompt_table(pipe, prompts, negative_prompt, max_sequence_length)

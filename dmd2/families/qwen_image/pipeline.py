@@ -66,3 +66,12 @@ def teacher_shift(teacher: str, resolution: int) -> float:
 def default_resolution(teacher: str) -> int:
     """QwenImagePipeline's default size: 128 latent cells (its `default_sample_size`), 1024 px."""
     return 128 * vae_factor(_configs(teacher)[1])
+
+
+def check_sequence_split(teacher: str, resolution: int, ranks: int) -> None:
+    """Refuse `[train] sequence_parallel = ranks` where it cannot split a sample's image tokens (its text is padded
+    to a multiple of the ranks by `QwenImageVelocity`, masked)."""
+    transformer, _, _ = _configs(teacher)
+    _, height, width = latent_shape(teacher, resolution)
+    files.check_sequence_split(ranks, transformer["num_attention_heads"], {
+        f"image tokens of a {resolution} px picture": (height // files.PACK) * (width // files.PACK)})

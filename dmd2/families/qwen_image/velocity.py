@@ -15,6 +15,24 @@ from dmd2.model import Cond, VelocityFn, cat_cond
 from dmd2.prompt_index import INDEX_KEY
 
 
+def _sequence_ranks(model: nn.Module) -> int:
+    """The ranks a model's tokens are split over (`[train] sequence_parallel`: diffusers' context-parallel config,
+    which infra.trainers.sequence sets), 1 if none."""
+    config = getattr(getattr(model, "module", model), "_parallel_config", None)
+    return 1 if config is None else config.context_parallel_config.ulysses_degree
+
+
+def _padded(states: Tensor, mask: Tensor, ranks: int) -> tuple[Tensor, Tensor]:
+    """The prompt's states [B, L, D] and mask [B, L] padded to a multiple of ``ranks`` tokens, masked out (the table
+    pads its prompts to the longest, whatever that is): the context-parallel plan splits them over the ranks. The
+    padding changes nothing: no token attends to a masked one."""
+    extra = -states.shape[1] % ranks
+    if extra == 0:
+        return states, mask
+    return (torch.nn.functional.pad(states, (0, 0, 0, extra)),
+            torch.nn.functional.pad(mask, (0, extra), value=False))
+
+
 class QwenImageVelocity:
     """v(x_s, sigma, {"prompt_index": [B]}) of a QwenImageTransformer2DModel through a `QwenPromptTable`."""
 
@@ -27,10 +45,12 @@ class QwenImageVelocity:
             raise ValueError(f"QwenImageVelocity takes the conditioning {{{INDEX_KEY!r}: [B] int64}}, got keys "
                              f"{sorted(cond)}")
         text = self.table.cond(cond[INDEX_KEY])
+        states, mask = _padded(text["encoder_hidden_states"], text["encoder_hidden_states_mask"],
+                               _sequence_ranks(self.model))
         batch, _, height, width = x_s.shape
         return self.model(hidden_states=pack(x_s), timestep=sigma.to(x_s.dtype),
-                          encoder_hidden_states=text["encoder_hidden_states"].to(device=x_s.device, dtype=x_s.dtype),
-                          encoder_hidden_states_mask=text["encoder_hidden_states_mask"].to(x_s.device),
+                          encoder_hidden_states=states.to(device=x_s.device, dtype=x_s.dtype),
+                          encoder_hidden_states_mask=mask.to(x_s.device),
                           img_shapes=[[(1, height // 2, width // 2)]] * batch, return_dict=False)[0]
 
     def __call__(self, x_s: Tensor, sigma: Tensor, cond: Cond) -> Tensor:

@@ -2,7 +2,8 @@
 processes joined by gloo on CPU, diffusers' Ulysses attention) computes the whole model's output, and the optimizer
 step's gradients (the loss scaled as `dmd2.optim.optimizer_step` scales it, then averaged over the ranks as DDP and
 FSDP2 average) are the whole model's, alone, with FSDP2 sharding the parameters over the same two ranks, and with
-activation checkpointing besides (the recomputed blocks' all-to-alls run again in backward)."""
+activation checkpointing besides (the recomputed blocks' all-to-alls run again in backward); and so do FLUX.1's and
+Qwen-Image's, called through their families' velocities (Qwen-Image's text padded to split, masked)."""
 
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +16,10 @@ import torch.distributed as dist
 from dmd2.config import TrainConfig
 from infra.trainers.parallel import fsdp
 from infra.trainers.sequence import data_rank, sequence_mesh, sequence_rank, split_sequence
+from tests.dmd2.families.flux.tiny_pipeline import CLIP_WIDTH, tiny_flux_transformer
+from tests.dmd2.families.flux.tiny_pipeline import TEXT_WIDTH as FLUX_TEXT
+from tests.dmd2.families.qwen_image.tiny_pipeline import TEXT_WIDTH as QWEN_TEXT
+from tests.dmd2.families.qwen_image.tiny_pipeline import tiny_qwen_image_transformer
 from tests.dmd2.families.wan.tiny_pipeline import TEXT_DIM, tiny_wan_transformer
 
 # name -> ([train] parallel, activation checkpointing: each block's forward, all-to-alls included, run again in backward)
@@ -37,9 +42,36 @@ def loss_and_output(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def whole_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Each parameter's gradient, whole (an FSDP2 shard's gathered)."""
+    """Each parameter's gradient, whole (an FSDP2 shard's gathered); none for a parameter the call did not use."""
     return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-            for name, p in model.named_parameters()}
+            for name, p in model.named_parameters() if p.grad is not None}
+
+
+# FLUX.1 and Qwen-Image called through the families' velocities (packing, ids, the text and its mask) on latents
+# [2, 4, 8, 8]: 16 image tokens; FLUX's 4 text tokens, Qwen's 5 (padded to 6 for the two ranks, masked).
+PACKED_FAMILIES = {"flux": tiny_flux_transformer, "qwen_image": tiny_qwen_image_transformer}
+
+
+def packed_loss_and_output(name: str, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    from dmd2.families.flux.velocity import FluxVelocity
+    from dmd2.families.qwen_image.prompts import QwenPromptTable
+    from dmd2.families.qwen_image.velocity import QwenImageVelocity
+    from dmd2.flow_pipeline.prompts import PromptTable
+
+    generator = torch.Generator().manual_seed(3)
+    if name == "flux":
+        table = PromptTable(*(torch.randn(shape, generator=generator) for shape in
+                              ((2, 4, FLUX_TEXT), (2, CLIP_WIDTH), (1, 4, FLUX_TEXT), (1, CLIP_WIDTH))))
+        velocity = FluxVelocity(model, table, guidance=3.5)
+    else:
+        table = QwenPromptTable(torch.randn(2, 5, QWEN_TEXT, generator=generator),
+                                torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]),
+                                torch.randn(1, 5, QWEN_TEXT, generator=generator), torch.tensor([[1, 1, 0, 0, 0]]))
+        velocity = QwenImageVelocity(model, table)
+    latents = torch.randn(2, 4, 8, 8, generator=generator)
+    output = velocity(latents, torch.tensor([0.25, 0.8]), {"prompt_index": torch.tensor([0, 1])})
+    target = torch.randn(latents.shape, generator=generator)
+    return torch.nn.functional.mse_loss(output, target), output.detach()
 
 
 def _rank(rank: int, root: Path) -> None:
@@ -66,6 +98,20 @@ def _rank(rank: int, root: Path) -> None:
             torch.save({"loss": loss.detach(), "output": output, "gradients": gradients, "tokens": tokens,
                         "ranks": (data_rank(rank, train), sequence_rank(rank, train))},
                        root / f"{name}-{rank}.pt")
+        for name, build in PACKED_FAMILIES.items():  # plain: the layouts compose with any model, as Wan's show
+            train = TrainConfig(world_size=2, sequence_parallel=2, rollout_batch_size=2)
+            model = split_sequence(build(), sequence_mesh(train, "cpu"))
+            tokens = []  # the first block's outputs' lengths: its text's and its image's tokens on this rank
+            model.transformer_blocks[0].register_forward_hook(
+                lambda module, args, out: tokens.append(sorted(t.shape[1] for t in out)))
+            loss, output = packed_loss_and_output(name, model)
+            (loss * train.sequence_parallel).backward()
+            gradients = whole_gradients(model)
+            for gradient in gradients.values():  # DDP's average over the ranks
+                dist.all_reduce(gradient)
+                gradient /= 2
+            torch.save({"loss": loss.detach(), "output": output, "gradients": gradients, "tokens": tokens},
+                       root / f"{name}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -84,6 +130,19 @@ def test_two_ranks_splitting_the_tokens_give_the_whole_models_output_and_gradien
             assert got["tokens"] == [18 // 2]  # each rank's blocks saw half of every sample's tokens
             assert torch.allclose(got["loss"], loss.detach(), atol=1e-6)
             assert (got["output"] - output).abs().max() <= 1e-5
+            assert got["gradients"].keys() == expected.keys()
+            for key, gradient in expected.items():
+                assert (got["gradients"][key] - gradient).abs().max() <= 1e-5, (name, key)
+    for name, build in PACKED_FAMILIES.items():
+        model = build()
+        loss, output = packed_loss_and_output(name, model)
+        loss.backward()
+        expected = whole_gradients(model)
+        for rank in (0, 1):
+            got = torch.load(tmp_path / f"{name}-{rank}.pt")
+            assert got["tokens"] == [[2, 8] if name == "flux" else [3, 8]]  # 4 (or 5 padded to 6) text, 16 image
+            assert torch.allclose(got["loss"], loss.detach(), atol=1e-6), name
+            assert (got["output"] - output).abs().max() <= 1e-5, name
             assert got["gradients"].keys() == expected.keys()
             for key, gradient in expected.items():
                 assert (got["gradients"][key] - gradient).abs().max() <= 1e-5, (name, key)

@@ -64,6 +64,17 @@ def test_what_the_family_cannot_run_is_refused_naming_the_option(flux_dir, tmp_p
         checks.check(recipe(flux_dir, tmp_path, **data))
 
 
+def test_a_sequence_split_that_cannot_divide_a_sample_is_refused_naming_what(flux_dir, tmp_path):
+    """Ulysses splits the image's 16 tokens (16 px), the text's and the 2 heads over `[train] sequence_parallel`."""
+    config = recipe(flux_dir, tmp_path, resolution=16, max_sequence_length=6)
+    split = {"world_size": 2, "sequence_parallel": 2, "rollout_batch_size": 5}
+    checks.check(config.replace("train", **split))
+    with pytest.raises(ConfigError, match=r"sequence_parallel = 4 does not divide the teacher's 2 attention heads"):
+        checks.check(config.replace("train", **(split | {"world_size": 4, "sequence_parallel": 4})))
+    with pytest.raises(ConfigError, match=r"does not divide the 5 text tokens \(\[data\] max_sequence_length\)"):
+        checks.check(config.replace("train", **split).replace("data", max_sequence_length=5))
+
+
 def test_flux1_dev_is_planned_at_its_size_from_configs_kept_here():
     billions = sum(p.numel() for p in FluxFamily().model_on_meta("black-forest-labs/FLUX.1-dev").parameters()) / 1e9
     assert 11.8 < billions < 12.0, billions  # "a 12 billion parameter rectified flow transformer"

@@ -38,6 +38,14 @@ def test_a_qwen_image_pipeline_is_claimed_and_its_grid_uses_the_pipelines_mu(qwe
     scheduler.register_to_config(shift_terminal=0.02)
 
 
+def test_a_sequence_split_that_cannot_divide_the_image_tokens_is_refused(qwen_image_dir, tmp_path):
+    """Ulysses splits the image's tokens (16 px: 2 x 2; 24 px: 3 x 3) and the 2 heads; the text is padded to split."""
+    split = {"world_size": 2, "sequence_parallel": 2, "rollout_batch_size": 5}
+    checks.check(recipe(qwen_image_dir, tmp_path, resolution=16).replace("train", **split))
+    with pytest.raises(ConfigError, match=r"does not divide the 9 image tokens of a 24 px picture"):
+        checks.check(recipe(qwen_image_dir, tmp_path, resolution=24).replace("train", **split))
+
+
 def test_what_the_family_cannot_run_is_refused_naming_the_option(qwen_image_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"\[data\] resolution 20 is not a multiple of 8 .*use 16 or 24"):
         checks.check(recipe(qwen_image_dir, tmp_path, resolution=20))

@@ -60,6 +60,15 @@ def tiny_qwen25_vl(vocab_size: int) -> Qwen2_5_VLForConditionalGeneration:
                                                                hidden_size=TEXT_WIDTH, vocab_size=size, **vision_ids))
 
 
+def tiny_qwen_image_transformer(seed: int | None = 0) -> QwenImageTransformer2DModel:
+    """The pipeline's transformer; ``seed`` None: from the global RNG as it stands."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return QwenImageTransformer2DModel(patch_size=2, in_channels=4 * Z_DIM, out_channels=Z_DIM, num_layers=2,
+                                       attention_head_dim=8, num_attention_heads=2, joint_attention_dim=TEXT_WIDTH,
+                                       axes_dims_rope=(2, 2, 4))
+
+
 def build_tiny_qwen_image_pipeline(path: str | Path, seed: int = 0) -> Path:
     """Save a tiny QwenImagePipeline (random weights) into `path`: 4 pixels per latent cell (two VAE downsamplings)."""
     torch.manual_seed(seed)
@@ -70,8 +79,6 @@ def build_tiny_qwen_image_pipeline(path: str | Path, seed: int = 0) -> Path:
                                    temperal_downsample=[False, True], latents_mean=LATENTS_MEAN,
                                    latents_std=LATENTS_STD),
         text_encoder=tiny_qwen25_vl(len(tokenizer)), tokenizer=tokenizer,
-        transformer=QwenImageTransformer2DModel(patch_size=2, in_channels=4 * Z_DIM, out_channels=Z_DIM, num_layers=2,
-                                                attention_head_dim=8, num_attention_heads=2,
-                                                joint_attention_dim=TEXT_WIDTH, axes_dims_rope=(2, 2, 4)))
+        transformer=tiny_qwen_image_transformer(None))
     pipeline.save_pretrained(path, safe_serialization=True)
     return Path(path)
