@@ -129,19 +129,19 @@ def components_fingerprint(pipeline_dir: str | Path, index: dict[str, Any], name
     return digest.hexdigest()
 
 
-def check_sequence_split(ranks: int, heads: int, tokens: dict[str, int]) -> None:
-    """Refuse `[train] sequence_parallel = ranks` where Ulysses cannot split a sample: each rank takes 1 / ranks of
-    each of its token sequences (``tokens``: what they are -> how many) and, inside attention, 1 / ranks of the
-    ``heads``."""
+def check_sequence_split(teacher: str, ranks: int, heads: int, tokens: dict[str, int], fix: str) -> None:
+    """Refuse `[train] sequence_parallel = ranks` where Ulysses cannot split a sample of ``teacher``: each rank takes
+    1 / ranks of each of its token sequences (``tokens``: what they are -> how many) and, inside attention, 1 / ranks
+    of the ``heads``; ``fix``: the options that set the sequences' lengths."""
     if ranks == 1:
         return
     if heads % ranks:
-        raise ValueError(f"[train] sequence_parallel = {ranks} does not divide the teacher's {heads} attention heads "
+        raise ValueError(f"[train] sequence_parallel = {ranks} does not divide the {heads} attention heads of {teacher} "
                          f"(Ulysses gives each rank heads / sequence_parallel of them); use a divisor of {heads}")
     for what, count in tokens.items():
         if count % ranks:
-            raise ValueError(f"[train] sequence_parallel = {ranks} does not divide the {count} {what}; change "
-                             "[data] resolution (or the option named) or sequence_parallel")
+            raise ValueError(f"[train] sequence_parallel = {ranks} does not divide the {count} {what}; change {fix}, "
+                             "or sequence_parallel")
 
 
 PACK = 2  # 2 x 2 latent cells per token

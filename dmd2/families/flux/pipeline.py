@@ -71,6 +71,6 @@ def check_sequence_split(teacher: str, resolution: int, text_tokens: int, ranks:
     """Refuse `[train] sequence_parallel = ranks` where it cannot split a sample: FluxTransformer2DModel's context-
     parallel plan splits the image's tokens and the text's (and their ids) over the ranks."""
     transformer, _, _ = _configs(teacher)
-    files.check_sequence_split(ranks, transformer["num_attention_heads"], {
+    files.check_sequence_split(teacher, ranks, transformer["num_attention_heads"], {
         f"image tokens of a {resolution} px picture": image_tokens(teacher, resolution),
-        "text tokens ([data] max_sequence_length)": text_tokens})
+        "text tokens ([data] max_sequence_length)": text_tokens}, "[data] resolution or max_sequence_length")

@@ -73,5 +73,6 @@ def check_sequence_split(teacher: str, resolution: int, ranks: int) -> None:
     to a multiple of the ranks by `QwenImageVelocity`, masked)."""
     transformer, _, _ = _configs(teacher)
     _, height, width = latent_shape(teacher, resolution)
-    files.check_sequence_split(ranks, transformer["num_attention_heads"], {
-        f"image tokens of a {resolution} px picture": (height // files.PACK) * (width // files.PACK)})
+    files.check_sequence_split(teacher, ranks, transformer["num_attention_heads"], {
+        f"image tokens of a {resolution} px picture": (height // files.PACK) * (width // files.PACK)},
+        "[data] resolution")

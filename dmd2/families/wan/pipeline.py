@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dmd2.conventions import TIMESTEP_SCALE
+from dmd2.flow_pipeline import files
 from dmd2.pipeline_files import read_json
 
 PIPELINE_CLASS = "WanPipeline"
@@ -141,20 +142,15 @@ def transformer_config(path: str | Path) -> dict[str, Any]:
 
 
 def check_sequence_split(path: str | Path, frames: int, height: int, width: int, ranks: int) -> None:
-    """Refuse `[train] sequence_parallel = ranks` where Ulysses cannot split this teacher's videos: each rank takes
-    1 / ranks of a sample's tokens (latent frames x patches) and, inside attention, 1 / ranks of the heads."""
+    """Refuse `[train] sequence_parallel = ranks` where Ulysses cannot split this teacher's videos (their tokens:
+    latent frames x patches)."""
     if ranks == 1:
         return
     transformer = transformer_config(path)
     _, latent_frames, latent_h, latent_w = latent_shape(path, frames, height, width)
     patch_t, patch_h, patch_w = transformer.get("patch_size", (1, 2, 2))
-    tokens = latent_frames // patch_t * (latent_h // patch_h) * (latent_w // patch_w)
-    heads = transformer.get("num_attention_heads", 40)
-    if heads % ranks:
-        raise ValueError(f"[train] sequence_parallel = {ranks} does not divide the {heads} attention heads of {path} "
-                         f"(Ulysses gives each rank heads / sequence_parallel of them); use a divisor of {heads}")
-    if tokens % ranks:
-        raise ValueError(f"[train] sequence_parallel = {ranks} does not divide the {tokens} tokens of a {frames} x "
-                         f"{height} x {width} video ({latent_frames} latent frames x {latent_h // patch_h} x "
-                         f"{latent_w // patch_w} patches); change [data] frames, height or width, or "
-                         "sequence_parallel")
+    rows, columns = latent_h // patch_h, latent_w // patch_w
+    what = (f"tokens of a {frames} x {height} x {width} video ({latent_frames // patch_t} latent frames x {rows} x "
+            f"{columns} patches)")
+    files.check_sequence_split(str(path), ranks, transformer.get("num_attention_heads", 40),
+                               {what: latent_frames // patch_t * rows * columns}, "[data] frames, height or width")

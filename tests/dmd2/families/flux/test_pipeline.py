@@ -69,7 +69,7 @@ def test_a_sequence_split_that_cannot_divide_a_sample_is_refused_naming_what(flu
     config = recipe(flux_dir, tmp_path, resolution=16, max_sequence_length=6)
     split = {"world_size": 2, "sequence_parallel": 2, "rollout_batch_size": 5}
     checks.check(config.replace("train", **split))
-    with pytest.raises(ConfigError, match=r"sequence_parallel = 4 does not divide the teacher's 2 attention heads"):
+    with pytest.raises(ConfigError, match=r"sequence_parallel = 4 does not divide the 2 attention heads"):
         checks.check(config.replace("train", **(split | {"world_size": 4, "sequence_parallel": 4})))
     with pytest.raises(ConfigError, match=r"does not divide the 5 text tokens \(\[data\] max_sequence_length\)"):
         checks.check(config.replace("train", **split).replace("data", max_sequence_length=5))
