@@ -136,8 +136,9 @@ def check_sequence_split(teacher: str, ranks: int, heads: int, tokens: dict[str,
     if ranks == 1:
         return
     if heads % ranks:
-        raise ValueError(f"[train] sequence_parallel = {ranks} does not divide the {heads} attention heads of {teacher} "
-                         f"(Ulysses gives each rank heads / sequence_parallel of them); use a divisor of {heads}")
+        raise ValueError(f"[train] sequence_parallel = {ranks} does not divide the {heads} attention heads of "
+                         f"{teacher} (Ulysses gives each rank heads / sequence_parallel of them); use a divisor of "
+                         f"{heads}")
     for what, count in tokens.items():
         if count % ranks:
             raise ValueError(f"[train] sequence_parallel = {ranks} does not divide the {count} {what}; change {fix}, "

@@ -3,10 +3,11 @@
 One GPU holds rank i of the critic group and rank i of the actor group (they share placement bundle i,
 infra/trainers/cluster.py). A group sleeps after its stage (its weights, optimizer state and EMA parked in host
 memory) and the critic's teacher is on the GPU only while it scores (infra/trainers/rank.py; under FSDP2 it is
-sharded like the critic, `held_teacher`), so a stage's peak is what the awake group holds then. The plan rehearses one rollout as the ranks run it, and then an evaluation and
-a checkpoint (infra/trainers/rehearsal.py): the models are built from their configs on the meta device (no weight
-is read) and given fake storage (torch's `FakeTensorMode`), held as `[train]` says (`infra.trainers.models`: LoRA
-adapters, the GAN head, recomputed activations, FSDP2 over a fake process group of the world size), and the stages
+sharded like the critic, `held_teacher`), so a stage's peak is what the awake group holds then. The plan rehearses
+one rollout as the ranks run it, and then an evaluation and a checkpoint (infra/trainers/rehearsal.py): the
+models are built from their configs on the meta device (no weight is read) and given fake storage (torch's
+`FakeTensorMode`), held as `[train]` says (`infra.trainers.models`: LoRA adapters, the GAN head, recomputed
+activations, FSDP2 over a fake process group of the world size), and the stages
 run the product's code (backward simulation, the pairs, each group's `train_steps` with its hooks, the teacher's
 scoring, the samplers) while `dmd2.memory.MemoryLedger` counts every live storage by category, and `FlopCount` each
 training stage's floating-point operations (torch's own formulas over the operators' shapes). Nothing is computed,

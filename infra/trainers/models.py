@@ -55,7 +55,7 @@ def held_teacher(model: nn.Module, config: DistillConfig, mesh: DeviceMesh | Non
                  sequence: DeviceMesh | None = None) -> nn.Module:
     """The frozen teacher on its device as the critic is held, never trained: its tokens split over ``sequence``'s
     ranks and, with `parallel = "fsdp"` or `"hsdp"`, sharded over ``mesh`` (each forward gathers one block at a time,
-    as the critic's do: an eighth of it resident on each of 8 GPUs, not a whole copy parked and brought back)."""
+    as the critic's do: an eighth of it on each of 8 GPUs, where each held a whole copy)."""
     split_sequence(model, sequence)
     if config.train.parallel in SHARDED:
         model = fsdp(model, config.train.mixed_precision == "bf16", mesh)

@@ -85,7 +85,8 @@ def test_families_whose_model_cannot_split_tokens_refuse_sequence_parallel():
     config = config_from_dict({"model": {"teacher": "builtin:digits"},
                                "train": {"world_size": 2, "sequence_parallel": 2, "rollout_batch_size": 10}})
     with pytest.raises(ConfigError, match=r"sequence_parallel = 2: not read by the digits family, its model cannot "
-                                          r"split its tokens over ranks \(families that read it: flux, qwen_image, wan\); set it to 1"):
+                                          r"split its tokens over ranks \(families that read it: flux, qwen_image, "
+                                          r"wan\); set it to 1"):
         checked_family(config)
 
 

@@ -47,7 +47,8 @@ def test_the_table_the_velocity_and_the_guided_teacher_are_the_pipelines(klein_d
         calls, after = sample_observed(pipe, latents)
         assert len(calls) == 4  # two steps, each a conditional and an unconditional call
         torch.testing.assert_close(calls[0][0]["encoder_hidden_states"], table["prompt_embeds"][:2], atol=1e-6, rtol=0)
-        torch.testing.assert_close(calls[1][0]["encoder_hidden_states"], table["negative_prompt_embeds"].expand(2, -1, -1),
+        torch.testing.assert_close(calls[1][0]["encoder_hidden_states"],
+                                   table["negative_prompt_embeds"].expand(2, -1, -1),
                                    atol=1e-6, rtol=0)  # the pipeline's negative prompt is "" ([data] negative_prompt)
         velocity = Flux2KleinFamily().bind({"prompts": table}).velocity(pipe.transformer)
         cond = prompt_indices(torch.tensor([0, 1]))
