@@ -148,7 +148,8 @@ def test_two_ranks_splitting_the_tokens_give_the_whole_models_output_and_gradien
                 assert (got["gradients"][key] - gradient).abs().max() <= 1e-5, (name, key)
 
 
-# -- two rollouts of the Wan family's groups (Ray ranks, gloo): sequence parallelism changes nothing ------------------
+# -- two rollouts of the Wan family's groups (Ray ranks, gloo), a checkpoint saved and loaded between them: sequence
+# parallelism changes nothing
 
 PROMPTS = ["a cat runs on the grass", "a red ball", "the dog jumps", "a blue ball on the grass"]
 RUN, ROLLOUTS = "sp", 2
@@ -178,19 +179,21 @@ def wan_spec(teacher: Path, prompts: Path, store, world_size: int, **train):
 
 
 def two_rollouts(spec, store) -> dict:
-    """Each rollout's metrics, the groups' weights after two, read back from rank 0's export, the student's
-    evaluation (split over the ranks: 3 prompts x 2 noises), and whether each rank's evaluation borrowed the critic's
-    teacher for its reference samples."""
+    """Each rollout's metrics (a checkpoint saved between them and loaded back in place), the groups' weights after
+    two, read back from rank 0's export, the student's evaluation (split over the ranks: 3 prompts x 2 noises), and
+    whether each rank's evaluation borrowed the critic's teacher for its reference samples."""
     from infra.trainers.cluster import RankResources
-    from infra.trainers.stages import build_groups, run_rollout_on_groups
+    from infra.trainers.stages import build_groups, load_groups, run_rollout_on_groups, save_groups
 
+    run = f"{RUN}-{spec.config.train.world_size}-{spec.config.train.parallel}"
     groups = build_groups(spec, store, RankResources(num_cpus=0.5))
     try:
-        metrics = [run_rollout_on_groups(groups, RUN, rollout) for rollout in range(ROLLOUTS)]
-        tag = f"{spec.config.train.world_size}-{spec.config.train.parallel}"
-        weights = {group.role: store.get_tensors(group.export_weights(f"{RUN}/{tag}-{group.role}.safetensors")[0])
+        metrics = [run_rollout_on_groups(groups, run, 0)]
+        load_groups(groups, save_groups(groups, run, step=1))
+        metrics.append(run_rollout_on_groups(groups, run, 1))
+        weights = {group.role: store.get_tensors(group.export_weights(f"{run}/{group.role}.safetensors")[0])
                    for group in groups.in_order()}
-        scores = groups.actor.evaluate(RUN, ROLLOUTS).scores
+        scores = groups.actor.evaluate(run, ROLLOUTS).scores
         borrowed = ray.get([process.__ray_call__.remote(lambda process: process.workers["actor"]._evaluator.lent_teacher
                                                         is not None) for process in groups.actor.processes])
         return {"metrics": metrics, "weights": weights, "scores": scores, "borrowed": borrowed}
