@@ -2,7 +2,8 @@
 processes joined by gloo on CPU, diffusers' Ulysses attention) computes the whole model's output, and the optimizer
 step's gradients (the loss scaled as `dmd2.optim.optimizer_step` scales it, then averaged over the ranks as DDP and
 FSDP2 average) are the whole model's, alone, with FSDP2 sharding the parameters over the same two ranks, and with
-activation checkpointing besides (the recomputed blocks' all-to-alls run again in backward); and so do FLUX.1's and
+activation checkpointing besides (the recomputed blocks' all-to-alls run again in backward), and with LoRA adapters
+(theirs are the only gradients); and so do FLUX.1's and
 Qwen-Image's, called through their families' velocities (Qwen-Image's text padded to split, masked)."""
 
 from datetime import timedelta
@@ -22,9 +23,19 @@ from tests.dmd2.families.qwen_image.tiny_pipeline import TEXT_WIDTH as QWEN_TEXT
 from tests.dmd2.families.qwen_image.tiny_pipeline import tiny_qwen_image_transformer
 from tests.dmd2.families.wan.tiny_pipeline import TEXT_DIM, tiny_wan_transformer
 
-# name -> ([train] parallel, activation checkpointing: each block's forward, all-to-alls included, run again in backward)
-LAYOUTS = {"ddp": ("ddp", False), "fsdp": ("fsdp", False), "fsdp-checkpointed": ("fsdp", True)}
+# name -> ([train] parallel, activation checkpointing: each block's forward, all-to-alls included, run again in
+# backward, LoRA adapters on the attention layers: only they train)
+LAYOUTS = {"ddp": ("ddp", False, False), "fsdp": ("fsdp", False, False), "fsdp-checkpointed": ("fsdp", True, False),
+           "fsdp-lora": ("fsdp", False, True)}
 LATENTS = (2, 4, 3, 4, 6)  # batch, channels, latent frames, height, width: 3 x 2 x 3 = 18 tokens per sample
+
+
+def wan_model(lora: bool) -> torch.nn.Module:
+    """The tiny Wan transformer, with rank-4 LoRA adapters on its attention layers (the family's targets) if ``lora``."""
+    from dmd2.lora import add_adapters
+
+    model = tiny_wan_transformer()
+    return add_adapters(model, 4, 4.0, ("to_q", "to_k", "to_v", "to_out.0"), seed=0) if lora else model
 
 
 def inputs() -> dict[str, torch.Tensor]:
@@ -79,9 +90,9 @@ def _rank(rank: int, root: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root / 'init'}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     try:
-        for name, (parallel, checkpointed) in LAYOUTS.items():
+        for name, (parallel, checkpointed, lora) in LAYOUTS.items():
             train = TrainConfig(world_size=2, sequence_parallel=2, parallel=parallel, rollout_batch_size=2)
-            model = split_sequence(tiny_wan_transformer(), sequence_mesh(train, "cpu"))
+            model = split_sequence(wan_model(lora), sequence_mesh(train, "cpu"))
             if checkpointed:
                 model.enable_gradient_checkpointing()
             tokens = []
@@ -119,11 +130,12 @@ def _rank(rank: int, root: Path) -> None:
 @pytest.mark.slow  # two spawned ranks, each importing diffusers: ~35 s
 def test_two_ranks_splitting_the_tokens_give_the_whole_models_output_and_gradients(tmp_path):
     torch.multiprocessing.start_processes(_rank, args=(tmp_path,), nprocs=2, start_method="spawn")
-    model = tiny_wan_transformer()
-    loss, output = loss_and_output(model)
-    loss.backward()
-    expected = whole_gradients(model)
-    for name in LAYOUTS:
+    for name, (_, _, lora) in LAYOUTS.items():
+        model = wan_model(lora)
+        loss, output = loss_and_output(model)
+        loss.backward()
+        expected = whole_gradients(model)
+        assert expected and all(("lora_" in key) == lora for key in expected), name
         for rank in (0, 1):
             got = torch.load(tmp_path / f"{name}-{rank}.pt")
             assert got["ranks"] == (0, rank)
