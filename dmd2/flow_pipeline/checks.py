@@ -10,14 +10,17 @@ from dmd2.model_specs import model_dir
 from dmd2.prompt_file import read_prompts
 
 
-def check_recipe(config: DistillConfig, family: str, classes: tuple[str, ...],
-                 check_teacher: Callable[[str], None]) -> None:
+def check_recipe(config: DistillConfig, family: str, classes: tuple[str, ...], check_teacher: Callable[[str], None],
+                 published_split: Callable[[str], None] | None = None) -> None:
     """Refuse, as a ConfigError naming the option, what `family` cannot run; `check_teacher(directory)` checks a
-    local (or cached) teacher (a hub id's files are checked when the run fetches them)."""
+    local (or cached) teacher (a hub id's files are checked when the run fetches them, but `published_split(hub id)`
+    checks the sequence split of a published teacher whose configs the family keeps: `dmd2 plan` fetches nothing)."""
     try:
         teacher = model_dir("[model] teacher", config.model.teacher)
         if teacher is not None:
             check_teacher(str(teacher))
+        elif published_split is not None and config.train.sequence_parallel > 1:
+            published_split(config.model.teacher)
         for option, spec in (("student", config.model.student), ("critic_load", config.model.critic_load)):
             path = spec and model_dir(f"[model] {option}", spec)
             if path and not is_pipeline(path, classes):

@@ -67,6 +67,21 @@ class PipelineFamily(ModelFamily):
         """Refuse (ValueError) a `[train] sequence_parallel` that cannot split this teacher's samples; only a family
         that reads the option (`dmd2.family.FAMILIES`) is ever asked with more than one rank."""
 
+    def plan_spec(self, config: DistillConfig) -> RunSpec:
+        """One stand-in prompt (memory does not depend on which prompts), no prompt file read; a sequence split the
+        teacher's samples cannot take refused, as the run would refuse it."""
+        teacher = config.model.teacher
+        try:
+            shape = self.sample_shape(teacher, config)
+            self.check_sequence_split(teacher, config)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        return RunSpec(config, self.planned(config), shape, PromptIndices(1), "")
+
+    def planned(self, config: DistillConfig) -> "PipelineFamily":
+        """The family as `plan_spec` hands it on (with what `run_spec` would bind from the recipe)."""
+        return self
+
     def default_resolution(self, teacher: str) -> int:
         raise NotImplementedError
 

@@ -26,7 +26,6 @@ from dmd2.flow_pipeline.export import CardText
 from dmd2.flow_pipeline.family import PipelineFamily
 from dmd2.flow_pipeline.prompts import PromptTable, encode_rows
 from dmd2.model import VelocityFn
-from dmd2.prompt_index import PromptIndices
 
 DEFAULT_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale, for a run without [dmd2]
 
@@ -59,13 +58,11 @@ class FluxFamily(PipelineFamily):
         return pipeline.default_resolution(teacher)
 
     def check_sequence_split(self, teacher: str, config: DistillConfig) -> None:
-        pipeline.check_sequence_split(teacher, config.data.resolution, config.data.max_sequence_length,
-                                      config.train.sequence_parallel)
+        pipeline.check_sequence_split(teacher, config.data.resolution or pipeline.default_resolution(teacher),
+                                      config.data.max_sequence_length, config.train.sequence_parallel)
 
     def run_spec(self, config: DistillConfig, cache_dir: Path) -> RunSpec:
-        spec = super().run_spec(config, cache_dir)
-        bound = dataclasses.replace(self, guidance=_guidance(config), true_cfg=_true_cfg(config))
-        return dataclasses.replace(spec, family=bound)
+        return dataclasses.replace(super().run_spec(config, cache_dir), family=self.planned(config))
 
     def encode_prompts(self, pipe: Any, prompts: list[str], negative_prompt: str,
                        max_sequence_length: int) -> dict[str, Tensor]:
@@ -110,10 +107,8 @@ class FluxFamily(PipelineFamily):
             return on_meta(FluxTransformer2DModel, PUBLISHED[path][0], dtype)
         return architecture(path, dtype, subfolder="transformer")
 
-    def plan_spec(self, config: DistillConfig) -> RunSpec:
-        """One stand-in prompt (memory does not depend on which prompts), no prompt file read."""
-        family = dataclasses.replace(self, guidance=_guidance(config), true_cfg=_true_cfg(config))
-        return RunSpec(config, family, self.sample_shape(config.model.teacher, config), PromptIndices(1), "")
+    def planned(self, config: DistillConfig) -> "FluxFamily":
+        return dataclasses.replace(self, guidance=_guidance(config), true_cfg=_true_cfg(config))
 
     def plan_bind(self, config: DistillConfig, device: torch.device | str) -> "FluxFamily":
         """A table of one zero prompt of the encoders' shapes ([data] max_sequence_length T5 tokens, CLIP's pooled

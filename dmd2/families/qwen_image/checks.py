@@ -4,6 +4,7 @@ library: the CLI asks `claims` and `check` through the registry before anything 
 from dmd2.config import DistillConfig
 from dmd2.families.qwen_image.pipeline import (PIPELINE_CLASSES, check_qwen_image_pipeline, check_sequence_split,
                                                default_resolution, latent_shape, teacher_shift)
+from dmd2.families.qwen_image.published import PUBLISHED
 from dmd2.flow_pipeline.checks import check_recipe
 from dmd2.flow_pipeline.files import is_pipeline
 
@@ -15,11 +16,19 @@ def claims(teacher: str) -> bool:
 
 def check(config: DistillConfig) -> None:
     """Refuse teachers, students, critics, prompt files and options the family cannot run with."""
+    def check_split(teacher: str) -> None:
+        resolution = config.data.resolution or default_resolution(teacher)
+        check_sequence_split(teacher, resolution, config.train.sequence_parallel)
+
     def check_teacher(teacher: str) -> None:
         check_qwen_image_pipeline(teacher)
         resolution = config.data.resolution or default_resolution(teacher)
         latent_shape(teacher, resolution)
         teacher_shift(teacher, resolution)  # the scheduler's checks, and its mu at this resolution
-        check_sequence_split(teacher, resolution, config.train.sequence_parallel)
+        check_split(teacher)
 
-    check_recipe(config, "qwen_image", PIPELINE_CLASSES, check_teacher)
+    def check_published(hub_id: str) -> None:  # planned from the configs kept here; any other is checked fetched
+        if hub_id in PUBLISHED:
+            check_split(hub_id)
+
+    check_recipe(config, "qwen_image", PIPELINE_CLASSES, check_teacher, published_split=check_published)

@@ -17,13 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from dmd2.config import DistillConfig
-from dmd2.family import RunSpec
 from dmd2.families.qwen_image import pipeline
 from dmd2.families.qwen_image.prompts import QwenPromptTable, encode_prompt_table, merge_parts
 from dmd2.flow_pipeline.export import CardText
 from dmd2.flow_pipeline.family import PipelineFamily
 from dmd2.model import VelocityFn
-from dmd2.prompt_index import PromptIndices
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,8 @@ class QwenImageFamily(PipelineFamily):
         return pipeline.default_resolution(teacher)
 
     def check_sequence_split(self, teacher: str, config: DistillConfig) -> None:
-        pipeline.check_sequence_split(teacher, config.data.resolution, config.train.sequence_parallel)
+        pipeline.check_sequence_split(teacher, config.data.resolution or pipeline.default_resolution(teacher),
+                                      config.train.sequence_parallel)
 
     def encode_prompts(self, pipe: Any, prompts: list[str], negative_prompt: str,
                        max_sequence_length: int) -> dict[str, Tensor]:
@@ -104,10 +103,6 @@ class QwenImageFamily(PipelineFamily):
         with torch.device("cpu"):
             model.pos_embed = type(rope)(theta=rope.theta, axes_dim=rope.axes_dim, scale_rope=rope.scale_rope)
         return model
-
-    def plan_spec(self, config: DistillConfig) -> RunSpec:
-        """One stand-in prompt (memory does not depend on which prompts), no prompt file read."""
-        return RunSpec(config, self, self.sample_shape(config.model.teacher, config), PromptIndices(1), "")
 
     def plan_bind(self, config: DistillConfig, device: torch.device | str) -> "QwenImageFamily":
         """A table of one zero prompt of `[data] max_sequence_length` tokens of the text width, in host memory."""

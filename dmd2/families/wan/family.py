@@ -93,8 +93,15 @@ class WanFamily(ModelFamily):
         return wan_on_meta(path, dtype)
 
     def plan_spec(self, config: DistillConfig) -> RunSpec:
-        """One stand-in prompt (memory does not depend on which prompts), no prompt file read."""
-        return RunSpec(config, self, latent_shape(config.model.teacher, *video_size(config.data)), PromptIndices(1), "")
+        """One stand-in prompt (memory does not depend on which prompts), no prompt file read; a sequence split the
+        teacher's videos cannot take refused, as the run would refuse it."""
+        teacher, size = config.model.teacher, video_size(config.data)
+        try:
+            shape = latent_shape(teacher, *size)
+            check_sequence_split(teacher, *size, config.train.sequence_parallel)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        return RunSpec(config, self, shape, PromptIndices(1), "")
 
     def plan_bind(self, config: DistillConfig, device: torch.device | str) -> "WanFamily":
         """A table of one zero prompt of UMT5's shape ([data] max_sequence_length tokens of the text width)."""

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor, nn
 
 from dmd2.config import ConfigError, DistillConfig
-from dmd2.family import RunSpec
 from dmd2.families.flux.family import FluxFamily
 from dmd2.families.flux.klein import pipeline
 from dmd2.families.flux.klein.prompts import encode_prompt_table
@@ -30,7 +29,6 @@ from dmd2.flow_pipeline.family import PipelineFamily
 from dmd2.flow_pipeline.packing import unpack
 from dmd2.flow_pipeline.prompts import StatesTable
 from dmd2.model import VelocityFn
-from dmd2.prompt_index import PromptIndices
 
 
 @dataclass(frozen=True)
@@ -104,10 +102,6 @@ class Flux2KleinFamily(PipelineFamily):
         from dmd2.model import architecture
 
         return architecture(pipeline.teacher_dir(path), dtype, subfolder="transformer")
-
-    def plan_spec(self, config: DistillConfig) -> RunSpec:
-        """One stand-in prompt (memory does not depend on which prompts), no prompt file read."""
-        return RunSpec(config, self, self.sample_shape(config.model.teacher, config), PromptIndices(1), "")
 
     def plan_bind(self, config: DistillConfig, device: torch.device | str) -> "Flux2KleinFamily":
         """A table of one zero prompt of `[data] max_sequence_length` tokens of the text width, in host memory."""

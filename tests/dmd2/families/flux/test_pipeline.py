@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dmd2.config import ConfigError, config_from_dict
+from dmd2.config import ConfigError, config_from_dict, load_recipe
 from dmd2.family import family_name
 from dmd2.families.flux import checks
 from dmd2.families.flux.family import FluxFamily
@@ -73,6 +73,17 @@ def test_a_sequence_split_that_cannot_divide_a_sample_is_refused_naming_what(flu
         checks.check(config.replace("train", **(split | {"world_size": 4, "sequence_parallel": 4})))
     with pytest.raises(ConfigError, match=r"does not divide the 5 text tokens \(\[data\] max_sequence_length\)"):
         checks.check(config.replace("train", **split).replace("data", max_sequence_length=5))
+
+
+def test_the_plan_of_the_published_teacher_refuses_a_split_it_cannot_take():
+    """`dmd2 plan` reads no prompt file and fetches nothing: FLUX.1 [dev]'s split is checked on the configs kept here."""
+    from flows.recipe import RECIPES
+
+    config = load_recipe(RECIPES / "flux1-dev-4step.toml", {"train": {"sequence_parallel": 8, "rollout_batch_size": 10},
+                                                            "data": {"max_sequence_length": 500}})
+    with pytest.raises(ConfigError, match=r"does not divide the 500 text tokens \(\[data\] max_sequence_length\)"):
+        FluxFamily().plan_spec(config)
+    assert FluxFamily().plan_spec(config.replace("data", max_sequence_length=512)).sample_shape == (16, 128, 128)
 
 
 def test_flux1_dev_is_planned_at_its_size_from_configs_kept_here():

@@ -5,6 +5,7 @@ import pytest
 from dmd2.config import ConfigError, config_from_dict, load_recipe
 from dmd2.family import checked_family, family_name
 from dmd2.families.wan import checks
+from dmd2.families.wan.family import WanFamily
 from dmd2.families.wan.pipeline import experts, flow_shift_of, latent_shape
 from tests.dmd2.families.wan.tiny_pipeline import BOUNDARY_RATIO, FLOW_SHIFT, LATENT_CHANNELS
 
@@ -79,6 +80,9 @@ def test_the_14b_recipe_splits_its_720p_videos_over_the_node_and_the_13b_teacher
     checked_family(config)  # 40 heads, 21 x 45 x 80 tokens: both split over 8
     with pytest.raises(ConfigError, match="does not divide the 12 attention heads"):
         checked_family(config.replace("model", teacher="Wan-AI/Wan2.1-T2V-1.3B-Diffusers"))
+    # `dmd2 plan` reads no prompt file, and refuses the split as the run would, before rehearsing anything
+    with pytest.raises(ConfigError, match="does not divide the 12 attention heads"):
+        WanFamily().plan_spec(config.replace("model", teacher="Wan-AI/Wan2.1-T2V-1.3B-Diffusers"))
 
 
 def test_families_whose_model_cannot_split_tokens_refuse_sequence_parallel():
