@@ -33,6 +33,15 @@ def check_indices(index: Tensor, size: int) -> None:
                                  f"prompts (valid: 0..{size - 1}, or {NEGATIVE} for the negative prompt)")
 
 
+def lookup(prompt_index: Tensor, size: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The table rows of prompts [B] (int64 in [0, size), or NEGATIVE) and where the negative prompt's are [B] (bool),
+    checked (`check_indices`), on the table's ``device``. A table picks with `torch.where`, not a boolean-mask
+    assignment: that one waits for the GPU."""
+    index = prompt_index.long()
+    check_indices(index, size)
+    return index.clamp(min=0).to(device), (index == NEGATIVE).to(device)
+
+
 @torch.no_grad()  # encode_prompt itself records autograd graphs
 def encode_rows(encode: Encode, prompts: list[str], negative_prompt: str, names: tuple[str, ...],
                 batch_size: int = ENCODE_BATCH) -> dict[str, Tensor]:
@@ -90,11 +99,7 @@ class PromptTable:
 
     def cond(self, prompt_index: Tensor) -> Cond:
         """The transformer's conditioning of prompts [B] (int64 in [0, P), or NEGATIVE for the negative prompt)."""
-        index = prompt_index.long()
-        check_indices(index, len(self))
-        device = self.prompt_embeds.device
-        rows, negative = index.clamp(min=0).to(device), (index == NEGATIVE).to(device)
-        # The negative prompt's rows by `torch.where`, not a boolean-mask assignment: that one waits for the GPU.
+        rows, negative = lookup(prompt_index, len(self), self.prompt_embeds.device)
         embeds = torch.where(negative[:, None, None], self.negative_prompt_embeds, self.prompt_embeds[rows])
         pooled = torch.where(negative[:, None], self.negative_pooled_prompt_embeds, self.pooled_prompt_embeds[rows])
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
@@ -126,10 +131,6 @@ class StatesTable:
 
     def cond(self, prompt_index: Tensor) -> Cond:
         """The transformer's `encoder_hidden_states` [B, L, D] of prompts [B] (int64 in [0, P), or NEGATIVE)."""
-        index = prompt_index.long()
-        check_indices(index, len(self))
-        device = self.prompt_embeds.device
-        rows, negative = index.clamp(min=0).to(device), (index == NEGATIVE).to(device)
-        # `torch.where`, not a boolean-mask assignment: that one waits for the GPU
+        rows, negative = lookup(prompt_index, len(self), self.prompt_embeds.device)
         embeds = torch.where(negative[:, None, None], self.negative_prompt_embeds, self.prompt_embeds[rows])
         return {"encoder_hidden_states": embeds}

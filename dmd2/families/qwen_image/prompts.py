@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmd2.flow_pipeline.prompts import check_indices, encode_rows
+from dmd2.flow_pipeline.prompts import encode_rows, lookup
 from dmd2.model import Cond
-from dmd2.prompt_index import NEGATIVE, merge_tables
+from dmd2.prompt_index import merge_tables
 
 
 def _padded(embeds: Tensor, mask: Tensor | None, length: int) -> tuple[Tensor, Tensor]:
@@ -78,10 +78,7 @@ class QwenPromptTable:
     def cond(self, prompt_index: Tensor) -> Cond:
         """The transformer's conditioning of prompts [B] (int64 in [0, P), or NEGATIVE for the negative prompt):
         `encoder_hidden_states` [B, L, D] and `encoder_hidden_states_mask` [B, L] (bool)."""
-        index = prompt_index.long()
-        check_indices(index, len(self))
-        device = self.prompt_embeds.device
-        rows, negative = index.clamp(min=0).to(device), (index == NEGATIVE).to(device)
+        rows, negative = lookup(prompt_index, len(self), self.prompt_embeds.device)
         embeds = torch.where(negative[:, None, None], self.negative_prompt_embeds, self.prompt_embeds[rows])
         mask = torch.where(negative[:, None], self.negative_prompt_embeds_mask, self.prompt_embeds_mask[rows])
         return {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask.bool()}
