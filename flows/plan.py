@@ -97,7 +97,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sharded = train.parallel in SHARDED
     print(f"host memory per node for sleeping groups: {plan.host_parked * gpus_per_node / GiB:.0f} GiB "
           f"({gpus_per_node} GPU(s) x {plan.host_parked / GiB:.1f} GiB); while the groups load, at most "
-          f"{plan.host_loading(gpus_per_node, sharded) / GiB:.0f} GiB ({loading(train)}); to export, "
+          f"{plan.host_loading(gpus_per_node, sharded) / GiB:.0f} GiB ({loading(sharded)}); to export, "
           f"{plan.host_export(sharded) / GiB:.1f} GiB more on the first node (the student "
           + ("gathered, and copied" if sharded else "copied from its GPU") + ")")
     seconds = rollout_seconds(plan, args.gpu_tflops, args.mfu)
@@ -120,8 +120,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 1
 
 
-def loading(train) -> str:
-    who = "rank 0 of each group" if train.parallel in SHARDED else "every rank"
+def loading(sharded: bool) -> str:
+    who = "rank 0 of each group" if sharded else "every rank"
     return f"{who} reading its models whole, the critic's the teacher too"
 
 

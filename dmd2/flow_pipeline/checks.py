@@ -2,7 +2,7 @@
 before anything heavy loads): the student and critic directories, the prompt file, and the options nothing of a
 pipeline family without a GAN head or videos reads. SD3 has checks of its own (its GAN's real images)."""
 
-from typing import Callable
+from collections.abc import Callable, Collection
 
 from dmd2.config import ConfigError, DistillConfig
 from dmd2.flow_pipeline.files import is_pipeline
@@ -11,16 +11,17 @@ from dmd2.prompt_file import read_prompts
 
 
 def check_recipe(config: DistillConfig, family: str, classes: tuple[str, ...], check_teacher: Callable[[str], None],
-                 published_split: Callable[[str], None] | None = None) -> None:
+                 check_split: Callable[[str], None] | None = None, published: Collection[str] = ()) -> None:
     """Refuse, as a ConfigError naming the option, what `family` cannot run; `check_teacher(directory)` checks a
-    local (or cached) teacher (a hub id's files are checked when the run fetches them, but `published_split(hub id)`
-    checks the sequence split of a published teacher whose configs the family keeps: `dmd2 plan` fetches nothing)."""
+    local (or cached) teacher (a hub id's files are checked when the run fetches them), and `check_split(teacher)`
+    its `[train] sequence_parallel`, also for a hub id of ``published`` (teachers whose configs the family keeps)."""
     try:
-        teacher = model_dir("[model] teacher", config.model.teacher)
-        if teacher is not None:
-            check_teacher(str(teacher))
-        elif published_split is not None and config.train.sequence_parallel > 1:
-            published_split(config.model.teacher)
+        local = model_dir("[model] teacher", config.model.teacher)
+        if local is not None:
+            check_teacher(str(local))
+        teacher = str(local) if local is not None else config.model.teacher
+        if check_split is not None and (local is not None or teacher in published):
+            check_split(teacher)
         for option, spec in (("student", config.model.student), ("critic_load", config.model.critic_load)):
             path = spec and model_dir(f"[model] {option}", spec)
             if path and not is_pipeline(path, classes):

@@ -25,10 +25,5 @@ def check(config: DistillConfig) -> None:
         resolution = config.data.resolution or default_resolution(teacher)
         latent_shape(teacher, resolution)
         teacher_shift(teacher, resolution)  # the scheduler's checks, and its mu at this resolution
-        check_split(teacher)
 
-    def check_published(hub_id: str) -> None:  # planned from the configs kept here; any other is checked fetched
-        if hub_id in PUBLISHED:
-            check_split(hub_id)
-
-    check_recipe(config, "flux", PIPELINE_CLASSES, check_teacher, published_split=check_published)
+    check_recipe(config, "flux", PIPELINE_CLASSES, check_teacher, check_split, PUBLISHED)
