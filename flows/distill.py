@@ -30,10 +30,10 @@ from flows.preflight import preflight
 from flows.recipe import DEFAULT_RECIPE, check_run_id
 from flows.rollout import rollout_flow
 from flows.series import series_run_id
-from infra.store import ArtifactStore, RunLease
+from infra.store import ArtifactRef, ArtifactStore, RunLease
 from infra.tracking import RunTracker, SystemMetrics, redacted, refuse_user_info, register_student
 from infra.trainers import (Groups, RecoverableError, StartedRanks, build_groups, ensure_ray, load_groups,
-                            start_ranks)
+                            rank_memory, start_ranks)
 from tasks import runtime
 from tasks.distill import checkpoint, evaluate, export, prepare, reference_media
 
@@ -102,21 +102,27 @@ def distill(
             config = family.resolve(config, cache)
         if ray_address:
             os.environ["RAY_ADDRESS"] = ray_address
-        ranks = None
+        ranks = prepared = None
         try:
             if find_result(store, run_id, config.train.rollouts) is None:  # a run to train must fit its cluster
                 ensure_ray()
+                # First what needs a free CPU or GPU of the cluster (a Ray task making the prepared inputs, a GPU
+                # asked its memory): the ranks' placement group takes every one they ask for, a small machine's all.
+                prepared, memory = prepare(family, config, store), rank_memory(config.cluster)
                 # The ranks start up (imports, the model's code) while the plan is made and MLflow set up.
                 ranks = start_ranks(config, warm=(family, config.model.student or config.model.teacher))
-                config = fit_to_cluster(config, family, cache)  # before any group builds, before MLflow hears of it
-            return _tracked(config, family, run_id, store, outputs, cache, str(recipe), tracking_uri, lease, ranks)
+                # Before any group builds, before MLflow hears of the run:
+                config = fit_to_cluster(config, family, cache, memory)
+            return _tracked(config, family, run_id, store, outputs, cache, str(recipe), tracking_uri, lease, ranks,
+                            prepared)
         finally:
             if ranks is not None:
                 ranks.release()  # unless its groups took them
 
 
 def _tracked(config: DistillConfig, family: ModelFamily, run_id: str, store: ArtifactStore, outputs: Path,
-             cache: Path, recipe: str, tracking_uri: str | None, lease: RunLease, ranks: StartedRanks | None) -> dict:
+             cache: Path, recipe: str, tracking_uri: str | None, lease: RunLease, ranks: StartedRanks | None,
+             prepared: tuple[ArtifactRef | None, bool] | None) -> dict:
     """The run in its MLflow run: trained to its rollouts, or its stored result reported if it has them."""
     tracker = RunTracker.start_or_resume(run_id, uri=tracking_uri)
     status = "FAILED"
@@ -134,7 +140,8 @@ def _tracked(config: DistillConfig, family: ModelFamily, run_id: str, store: Art
         if reported:
             get_run_logger().info("run %s already has its %d rollouts: reporting its result", run_id, target)
         else:
-            result, trained, prepared_now = _run(config, family, run_id, store, tracker, cache, recipe, lease, ranks)
+            result, trained, prepared_now = _run(config, family, run_id, store, tracker, cache, recipe, lease, ranks,
+                                                    prepared)
         result = write_outputs(store, result, outputs, tracker, new=not reported)
         registered, promotion = _register(config, family, run_id, result, tracker)
         _lineage_artifact(family, run_id, result, tracker, registered, store.uri(run_id))
@@ -175,16 +182,17 @@ def _register(config: DistillConfig, family: ModelFamily, run_id: str, result: R
 
 
 def _run(config: DistillConfig, family: ModelFamily, run_id: str, store: ArtifactStore, tracker: RunTracker,
-         cache: Path, recipe: str, lease: RunLease, ranks: StartedRanks | None) -> tuple[RunResult, int, bool]:
+         cache: Path, recipe: str, lease: RunLease, ranks: StartedRanks | None,
+         prepared: tuple[ArtifactRef | None, bool] | None) -> tuple[RunResult, int, bool]:
     """Build the groups (the first on `ranks`, started already), train to the recipe's rollouts, evaluate and
-    export; the groups end with it.
+    export; the groups end with it. `prepared`: what `prepare` answered before the ranks started (None: ask now).
 
     A lost rank (`RecoverableError`: its process died, its collectives broke) costs the rollouts since
     the last checkpoint: new groups load it and the run goes on in this flow run and MLflow run, up to
     `[train] max_failures` times. Returns the result, how many rollouts this flow run advanced the run
     by, and whether it made the prepared inputs."""
     ensure_ray()
-    prepared, made = prepare(family, config, store)
+    prepared, made = prepared or prepare(family, config, store)
     tracker.set_tags({"dmd2.prepared": prepared.uri if prepared else "none"})
     spec = dataclasses.replace(family.run_spec(config, cache), prepared=prepared)
     threads = max(1, (os.cpu_count() or 1) // config.train.world_size)

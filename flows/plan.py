@@ -277,15 +277,15 @@ def cached_plan(config: DistillConfig, family, cache_dir: Path):
     return plan
 
 
-def fit_to_cluster(config: DistillConfig, family, cache_dir: Path) -> DistillConfig:
+def fit_to_cluster(config: DistillConfig, family, cache_dir: Path, memory: tuple[str | None, int]) -> DistillConfig:
     """The run's config for the cluster it is about to use, asked before any group starts or MLflow run is made:
     `ConfigError` naming the stage, the figure and the fix if its plan does not fit (per GPU against the GPUs Ray
     reports when the ranks take GPUs; with CPU ranks on a local Ray, all of them against this machine's available
-    memory), and `[train] sleep = "auto"` decided (`resolve_sleep`)."""
-    from infra.trainers.cluster import rank_memory
+    memory), and `[train] sleep = "auto"` decided (`resolve_sleep`). `memory`: `rank_memory`'s answer, asked
+    before the ranks took the GPUs."""
     from infra.trainers.memory_plan import RESERVE
 
-    kind, capacity = rank_memory(config.cluster)
+    kind, capacity = memory
     if kind is None:  # CPU ranks on a joined cluster: its nodes' memory is not known here
         return resolve_sleep(config, None, kind, capacity)
     plan = cached_plan(config, family, cache_dir)

@@ -14,7 +14,7 @@ from dmd2.lazy import lazy_exports
 # Lazy (PEP 562): the rank's own modules (models, memory_plan, offload, parallel) import without Ray, so that the
 # single-process device check (bench/gpu.py) runs where Ray, Prefect and MLflow are not installed.
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "cluster": ["RankResources", "ensure_ray"],
+    "cluster": ["RankResources", "ensure_ray", "rank_memory"],
     "group": ["EvalResult", "RankLostError", "RecoverableError", "TrainResult", "TrainerGroup"],
     "prepare": ["load_prepared", "prepare_inputs"],
     "stages": ["Groups", "StartedRanks", "build_groups", "load_groups", "run_rollout_on_groups", "save_groups",
