@@ -92,9 +92,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class NoTracebackForExplainedErrors(logging.Filter):
+    """Prefect logs a failing flow's or task's exception with its traceback. A ConfigError or a RunError names
+    what to change, and `main` prints it last: its traceback would only bury that line. (The flow run's log in
+    Prefect gets the one line too; a deployment's run, with no CLI in front of it, keeps the traceback.)"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], (ConfigError, RunError)):
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_EXPLAINED_ERRORS = NoTracebackForExplainedErrors()  # one instance: addFilter adds it once, however often main runs
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API request otherwise
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logging.getLogger(name).addFilter(_EXPLAINED_ERRORS)
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

@@ -13,7 +13,7 @@ from dmd2.config import ConfigError
 from dmd2.family import default_cache_dir, family_class
 from dmd2.report import format_table, judges_verdict
 from flows.preflight import preflight, preflight_evaluation
-from flows.recipe import DEFAULT_RECIPE
+from flows.recipe import DEFAULT_RECIPE, check_rollouts_reach
 
 MLFLOW_HINT = "mlflow ui --backend-store-uri {uri}   # then open http://127.0.0.1:5000"
 SET_HELP = ("override a recipe option, typed and validated like the file's, e.g. --set train.rollouts=50 "
@@ -57,9 +57,12 @@ def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
     family = family_class(checked.family)()  # the family itself, for its columns and judges
     run_id = checked.run_id
     try:  # before Prefect and Ray are imported: a store that does not open, or a run id in use, costs seconds
-        RunLease.check_free(ArtifactStore(checked.store_uri), run_id)
+        store = ArtifactStore(checked.store_uri)
+        RunLease.check_free(store, run_id)
     except (ValueError, LeaseHeldError) as error:
         raise SystemExit(f"error: {error}") from None
+    latest = store.latest_checkpoint(run_id)  # a run cut back, too (the flow asks again under its lease)
+    check_rollouts_reach(run_id, latest.step if latest else None, checked.config.train.rollouts)
     from flows.distill import distill
     from infra.tracking import uri_to_pass_on
 

@@ -27,7 +27,7 @@ from flows.outputs import RunResult, artifact_key, find_result, save_result, wri
 from flows.collapse import RunGuard
 from flows.plan import fit_to_cluster
 from flows.preflight import preflight
-from flows.recipe import DEFAULT_RECIPE, check_run_id
+from flows.recipe import DEFAULT_RECIPE, check_rollouts_reach, check_run_id
 from flows.rollout import rollout_flow
 from flows.series import series_run_id
 from infra.store import ArtifactRef, ArtifactStore, RunLease
@@ -95,9 +95,8 @@ def distill(
         latest = store.latest_checkpoint(run_id)
         if more_rollouts is not None:
             config = config.replace("train", rollouts=(latest.step if latest else 0) + more_rollouts)
-        if latest is not None and latest.step > config.train.rollouts:  # before MLflow: a refusal changes nothing
-            raise ConfigError(f"run {run_id} already has {latest.step} rollouts; pass rollouts >= {latest.step} "
-                              "to continue it, or use a new run id")
+        # Before MLflow: a refusal changes nothing.
+        check_rollouts_reach(run_id, latest.step if latest else None, config.train.rollouts)
         if not run_id_template:
             config = family.resolve(config, cache)
         if ray_address:

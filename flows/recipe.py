@@ -54,3 +54,11 @@ def check_run_id(run_id: str) -> str:
         raise ConfigError(f"--run-id {run_id!r} starts with '_', which names the store's shared objects; "
                           "choose another id")
     return run_id
+
+
+def check_rollouts_reach(run_id: str, done: int | None, rollouts: int) -> None:
+    """A run is continued, never cut back: `ConfigError` unless `rollouts` reaches the `done` ones its newest
+    checkpoint holds (None: no checkpoint yet)."""
+    if done is not None and done > rollouts:
+        raise ConfigError(f"run {run_id} already has {done} rollouts; pass rollouts >= {done} to continue it, or "
+                          "use a new run id")

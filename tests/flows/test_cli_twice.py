@@ -2,7 +2,8 @@
 
 The first run trains; a second started on the same run id while the first holds it is refused in seconds,
 naming the first, and logs nothing (one run per run id: the lease in the store, infra/store/lease.py); a
-third, after the first, reports the first's result and trains nothing. The MLflow run stays FINISHED, records
+third, after the first, reports the first's result and trains nothing; a fourth that would cut the run back
+to fewer rollouts is refused before Prefect starts. The MLflow run stays FINISHED, records
 the two runs that ran, and holds every step once. Nothing is mocked: each CLI starts its own local Prefect
 server, a local Ray and MLflow on sqlite, as `dmd2 distill` does on a user's machine.
 """
@@ -24,11 +25,11 @@ SMALL = ["train.rollouts=2", "train.rollout_batch_size=8", "dmd2.critic_steps_pe
 RUN_ID = "digits-4step"  # the default recipe's
 
 
-def start_cli(workdir: Path, teacher: Path, cache: Path) -> subprocess.Popen:
+def start_cli(workdir: Path, teacher: Path, cache: Path, *args: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "DMD2_", "RAY_"))}
     env |= {"PREFECT_HOME": str(workdir / ".prefect"), "DMD2_CACHE": str(cache), "PYTHONPATH": str(REPO)}
     overrides = [arg for item in [f"model.teacher={teacher}", *SMALL] for arg in ("--set", item)]
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "distill", *overrides], cwd=workdir, env=env,
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "distill", *overrides, *args], cwd=workdir, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -60,6 +61,10 @@ def test_the_cli_in_a_fresh_directory_trains_once_refuses_a_second_run_and_repor
         assert "Traceback" not in err and "Failed to send telemetry" not in err
         assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in out
     assert (student / "diffusion_pytorch_model.safetensors").read_bytes() == weights
+    fewer = start_cli(workdir, tiny_teacher_dir, cache, "--rollouts", "1")
+    out, err = fewer.communicate(timeout=120)
+    assert fewer.returncode == 2 and err.startswith("error: run digits-4step already has 2 rollouts; pass rollouts "
+                                                    ">= 2") and "Traceback" not in err, out + err
 
     assert store.list_checkpoints(RUN_ID) == [1, 2]
     assert store.find_json(f"{RUN_ID}/lease.json") is None  # released at the end

@@ -314,3 +314,27 @@ def test_the_families_package_faces_still_resolve():
     for package in (digits, sd3):
         assert sorted(dir(package)) == sorted(package.__all__)
         assert all(getattr(package, name) is not None for name in package.__all__)
+
+
+def test_prefect_logs_an_explained_error_without_its_traceback_and_any_other_with_it():
+    """The CLI prints a ConfigError's or RunError's message last; Prefect's log of it keeps one line, not a
+    traceback above it. Any other exception keeps its traceback."""
+    import io
+    import logging
+
+    from dmd2.config import ConfigError
+    from dmd2.failures import RunError
+    from flows.cli import NoTracebackForExplainedErrors
+
+    logger, out = logging.Logger("flow_runs"), io.StringIO()
+    logger.addHandler(logging.StreamHandler(out))
+    logger.addFilter(NoTracebackForExplainedErrors())
+    for error in (ConfigError("[train] rollouts = 0: give >= 1"), RunError("the critic diverged"), KeyError("x")):
+        try:
+            raise error
+        except Exception as exc:
+            logger.exception("Encountered exception during execution: %r", exc)
+    lines = out.getvalue().splitlines()
+    assert lines[:2] == ["Encountered exception during execution: ConfigError('[train] rollouts = 0: give >= 1')",
+                         "Encountered exception during execution: RunError('the critic diverged')"]
+    assert lines[2:4] == ["Encountered exception during execution: KeyError('x')", "Traceback (most recent call last):"]
