@@ -61,8 +61,8 @@ def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
         RunLease.check_free(store, run_id)
     except (ValueError, LeaseHeldError) as error:
         raise SystemExit(f"error: {error}") from None
-    latest = store.latest_checkpoint(run_id)  # a run cut back, too (the flow asks again under its lease)
-    check_rollouts_reach(run_id, latest.step if latest else None, checked.config.train.rollouts)
+    # A run cut back, too (the flow asks again under its lease).
+    check_rollouts_reach(run_id, store.latest_checkpoint(run_id), checked.config.train.rollouts)
     from flows.distill import distill
     from infra.tracking import uri_to_pass_on
 

@@ -96,7 +96,7 @@ def distill(
         if more_rollouts is not None:
             config = config.replace("train", rollouts=(latest.step if latest else 0) + more_rollouts)
         # Before MLflow: a refusal changes nothing.
-        check_rollouts_reach(run_id, latest.step if latest else None, config.train.rollouts)
+        check_rollouts_reach(run_id, latest, config.train.rollouts)
         if not run_id_template:
             config = family.resolve(config, cache)
         if ray_address:

@@ -8,9 +8,13 @@ then the family itself.
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dmd2.config import ConfigError, DistillConfig, load_recipe, parse_overrides
 from dmd2.family import ModelFamily, checked_family, family_class
+
+if TYPE_CHECKING:  # infra.store loads torch, which a bad recipe must not cost
+    from infra.store import Checkpoint
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 DEFAULT_RECIPE = RECIPES / "digits-4step.toml"
@@ -56,9 +60,9 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def check_rollouts_reach(run_id: str, done: int | None, rollouts: int) -> None:
-    """A run is continued, never cut back: `ConfigError` unless `rollouts` reaches the `done` ones its newest
-    checkpoint holds (None: no checkpoint yet)."""
-    if done is not None and done > rollouts:
-        raise ConfigError(f"run {run_id} already has {done} rollouts; pass rollouts >= {done} to continue it, or "
-                          "use a new run id")
+def check_rollouts_reach(run_id: str, latest: "Checkpoint | None", rollouts: int) -> None:
+    """A run is continued, never cut back: `ConfigError` unless `rollouts` reaches the step of its newest checkpoint
+    `latest` (None: it has none yet)."""
+    if latest is not None and latest.step > rollouts:
+        raise ConfigError(f"run {run_id} already has {latest.step} rollouts; pass rollouts >= {latest.step} to "
+                          "continue it, or use a new run id")
