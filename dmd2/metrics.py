@@ -75,6 +75,31 @@ def kid_to_reference(x: Tensor, reference: Tensor, groups: tuple[Tensor, Tensor]
     return kid((x - mean) / scale, (reference - mean) / scale, groups)
 
 
+def kid_standard_error(x: Tensor, reference: Tensor, groups: tuple[Tensor, Tensor], sets: int = 5) -> float:
+    """How far `kid_to_reference(x, reference, groups)` may stray from the true distance: the standard deviation of
+    the KIDs of ``sets`` disjoint sets over sqrt(``sets``) (each group's samples of ``x`` and of ``reference`` dealt
+    to the sets in turn, so every set holds every group; all in the whole reference's units). That is the standard
+    error of the mean of the sets' KIDs, an upper bound on the whole set's own (which uses the pairs across sets
+    too). Fewer sets when a group has fewer than 2 ``sets`` samples; NaN when not even 2 sets can be dealt."""
+    x_groups, y_groups = groups
+    labels = y_groups.unique()
+    smallest = min(min(int((x_groups == g).sum()), int((y_groups == g).sum())) for g in labels)
+    sets = min(sets, smallest // 2)  # kid needs 2 samples of every group in each set
+    if sets < 2:
+        return float("nan")
+    x, reference = x.double(), reference.double()
+    mean = reference.mean(0)
+    scale = (reference - mean).pow(2).mean().sqrt().clamp(min=torch.finfo(torch.float64).tiny)
+    x, reference = (x - mean) / scale, (reference - mean) / scale
+
+    def dealt(set_groups: Tensor, which: int) -> Tensor:
+        return torch.cat([(set_groups == g).nonzero().flatten()[which::sets] for g in labels])
+
+    kids = torch.tensor([kid(x[dealt(x_groups, s)], reference[dealt(y_groups, s)],
+                             (x_groups[dealt(x_groups, s)], y_groups[dealt(y_groups, s)])) for s in range(sets)])
+    return (kids.std() / sets**0.5).item()
+
+
 def pixel_features(images: Tensor, size: int = PIXEL_SIZE) -> Tensor:
     """The model-free judge's features: images [N, C, H, W] area-downsampled to ``size`` x ``size`` and flattened,
     [N, C size^2]; `kid` of these is the pixel-space KID. An image smaller than ``size`` is repeated pixel by

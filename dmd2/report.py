@@ -18,24 +18,42 @@ def format_table(rows: list[tuple[str, dict[str, float]]], columns: dict[str, st
     return "\n".join(lines)
 
 
+# A judge whose score carries a standard error (`<key>_se`, e.g. a KID's) in both rows reads a difference within this
+# many standard errors of it (the rows' errors added in quadrature) as no evidence either way.
+TIE_STANDARD_ERRORS = 2
+
+
+def _reading(scores: dict[str, float], base: dict[str, float], key: str, heading: str) -> tuple[int, str]:
+    """(-1 closer, 1 farther, 0 within the noise; the reading as text) of one judge's score against the baseline's."""
+    value, other, error = scores[key], base[key], f"{key}_se"
+    if error in scores and error in base:
+        noise = TIE_STANDARD_ERRORS * (scores[error] ** 2 + base[error] ** 2) ** 0.5
+        sign = 0 if abs(value - other) <= noise else -1 if value < other else 1
+        symbol = {-1: "<", 0: "~", 1: ">"}[sign]
+        return sign, f"{heading} {value:.4g} ± {scores[error]:.2g} {symbol} {other:.4g} ± {base[error]:.2g}"
+    return (-1 if value < other else 1), f"{heading} {value:.4g} {'<' if value < other else '>='} {other:.4g}"
+
+
 def judges_verdict(row: tuple[str, dict[str, float]], baseline: tuple[str, dict[str, float]],
                    judges: dict[str, str]) -> str:
     """Whether ``row`` is closer to the reference than ``baseline`` by every judge in ``judges`` (score keys of
     distances, lower is closer -> headings), said as a claim only when the judges that measured both agree: a
-    win that one judge sees and another contradicts is reported as contradicted, not as a win."""
+    win that one judge sees and another contradicts is reported as contradicted, not as a win; a difference within
+    `TIE_STANDARD_ERRORS` standard errors, where the scores carry them, supports no claim either way."""
     (name, scores), (base_name, base) = row, baseline
     measured = [key for key in judges if key in scores and key in base]
     if not measured:
         return f"{name} vs {base_name}: no judge measured both"
-    readings = [f"{judges[key]} {scores[key]:.4g} {'<' if scores[key] < base[key] else '>='} {base[key]:.4g}"
-                for key in measured]
-    closer = [scores[key] < base[key] for key in measured]
-    if all(closer):
+    signs, readings = zip(*(_reading(scores, base, key, judges[key]) for key in measured))
+    if set(signs) == {-1}:
         verdict = "closer by every judge" if len(measured) > 1 else "closer by the one judge that measured both"
-    elif not any(closer):
+    elif set(signs) == {1}:
         verdict = "not closer, by any judge"
-    else:
+    elif {-1, 1} <= set(signs):
         verdict = "CONTRADICTED: the judges disagree, no claim"
+    else:
+        tied = ", ".join(judges[key] for key, sign in zip(measured, signs) if sign == 0)
+        verdict = f"no claim: within {TIE_STANDARD_ERRORS} standard errors by {tied}"
     return f"{name} vs {base_name}: {verdict} ({'; '.join(readings)})"
 
 

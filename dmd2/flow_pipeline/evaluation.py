@@ -8,6 +8,8 @@ run and split over the ranks) on pictures decoded by the pipeline's VAE as the p
 - `eval/pixel_kid_teacher`: KID (dmd2/metrics.py) between the student's pictures and the teacher's reference ones
   on pixels area-downsampled to 32 x 32: the model-free judge, always reported;
 - `eval/kid_teacher`: the same KID in `[eval] feature_model`'s features, when one is set;
+- `eval/pixel_kid_teacher_se`, `eval/kid_teacher_se`: their standard errors, from the spread of KIDs over disjoint
+  sets of the eval set's noises (with at least 4 noises per prompt);
 - `eval/distance_teacher`: the gate, the feature KID when a feature model is set, else the pixel KID;
 - `eval/diversity`: the mean over prompts of the mean distance between a prompt's samples (in the feature model's
   space, else pixels), and `eval/diversity_ratio`, it over the teacher's reference samples' own: ~1 healthy, ~0 for
@@ -28,11 +30,20 @@ from torch import Tensor
 from dmd2.eval_set import DECODE_BATCH, PromptSetEvaluator, image_grid, on_device
 from dmd2.family import Evaluation
 from dmd2.flow_pipeline.judges import ClipScorer, Judge, load_judge
-from dmd2.metrics import diversity, kid_to_reference, pixel_features
+from dmd2.metrics import diversity, kid_standard_error, kid_to_reference, pixel_features
 
 # The gate's name whichever judge measured it: the family names its gate metric once (a class attribute the
 # registry reads without the run's config), so the evaluator puts the recipe's chosen distance under this name.
 DISTANCE = "eval/distance_teacher"
+
+
+def kid_scores(key: str, x: Tensor, reference: Tensor, strata: tuple[Tensor, Tensor]) -> dict[str, float]:
+    """``key``: the KID of ``x`` to ``reference``; ``key``_se: its standard error (`kid_standard_error`), left out
+    when the eval set holds too few samples of a prompt to estimate it (under 4)."""
+    scores = {key: kid_to_reference(x, reference, strata)}
+    if not math.isnan(error := kid_standard_error(x, reference, strata)):
+        scores[f"{key}_se"] = error
+    return scores
 
 
 @dataclass
@@ -81,9 +92,9 @@ class PictureEvaluator(PromptSetEvaluator):
         images = self.decode(latents)
         spaces, reference, prompt_of = self._spaces(images), self._reference_spaces(), self.prompt_of()
         strata = (prompt_of, prompt_of)  # both sets hold each prompt samples_per_prompt times
-        scores = {"eval/pixel_kid_teacher": kid_to_reference(spaces["pixels"], reference["pixels"], strata)}
+        scores = kid_scores("eval/pixel_kid_teacher", spaces["pixels"], reference["pixels"], strata)
         if "features" in spaces:
-            scores["eval/kid_teacher"] = kid_to_reference(spaces["features"], reference["features"], strata)
+            scores |= kid_scores("eval/kid_teacher", spaces["features"], reference["features"], strata)
         scores[DISTANCE] = scores.get("eval/kid_teacher", scores["eval/pixel_kid_teacher"])
         space = "features" if "features" in spaces else "pixels"
         spread, teacher_spread = diversity(spaces[space], prompt_of), diversity(reference[space], prompt_of)

@@ -41,7 +41,8 @@ class PipelineFamily(ModelFamily):
     card: ClassVar[CardText]
     gate_metric = "eval/distance_teacher"  # the feature KID, else the pixel KID, to the teacher
     splits_evaluation = True  # a many-step guided teacher at 1024 px: every rank samples a share
-    report_columns = {"eval/kid_teacher": "KID vs teacher", "eval/pixel_kid_teacher": "pixel KID vs teacher",
+    report_columns = {"eval/kid_teacher": "KID vs teacher", "eval/kid_teacher_se": "± SE",
+                      "eval/pixel_kid_teacher": "pixel KID vs teacher", "eval/pixel_kid_teacher_se": "± SE",
                       "eval/diversity_ratio": "diversity / teacher's", "eval/clip_score": "CLIP score"}
     judges = {"eval/kid_teacher": "KID ([eval] feature_model)", "eval/pixel_kid_teacher": "pixel KID"}
     generate_example = ("a photo of a cat",)  # prompts

@@ -1,4 +1,5 @@
-"""dmd2/metrics.py: KID against its closed form on Gaussians, its unbiasedness, and diversity against a loop."""
+"""dmd2/metrics.py: KID against its closed form on Gaussians, its unbiasedness, its standard error against the
+spread of repeated draws, and diversity against a loop."""
 
 import itertools
 import math
@@ -6,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dmd2.metrics import diversity, kid, kid_to_reference, pixel_features
+from dmd2.metrics import diversity, kid, kid_standard_error, kid_to_reference, pixel_features
 
 DIM, N, M, TRIALS = 4, 50, 80, 4000
 
@@ -143,3 +144,42 @@ def test_kid_of_stratified_sets_is_unbiased_with_their_groups_and_biased_without
     assert plain.mean() < -10 * plain.std() / math.sqrt(len(plain))
     with pytest.raises(ValueError, match="same groups"):
         kid(draw(), draw(), (groups, groups.clamp(max=3)))
+
+
+@pytest.mark.parametrize("delta", [0.0, 0.5])
+def test_kids_standard_error_is_the_spread_of_its_sets_mean_over_repeated_draws_and_bounds_the_whole_sets(delta):
+    """5 clusters drawn 10 times per set (an eval set's prompts x noises), the student's shifted by ``delta``. Over
+    400 draws: the mean of `kid_standard_error` matches the spread of the 5 sets' mean KID (computed here from the
+    layout: noise j of every prompt is in set j mod 5), within the small bias of a standard deviation of 5 values;
+    and the whole set's KID varies less than that."""
+    generator = torch.Generator().manual_seed(0)
+    centres = 3 * torch.randn(5, 6, generator=generator, dtype=torch.float64)
+    groups = torch.arange(5).repeat(10)  # row g + 5 j: prompt g, noise j
+    in_set = (torch.arange(50) // 5) % 5
+
+    def draw(shift: float) -> torch.Tensor:
+        return centres[groups] + shift + 0.5 * torch.randn(50, 6, generator=generator, dtype=torch.float64)
+
+    estimates, set_means, wholes = [], [], []
+    for _ in range(400):
+        x, y = draw(delta), draw(0.0)
+        mean = y.mean(0)
+        unit = (y - mean).pow(2).mean().sqrt()
+        x_units, y_units = (x - mean) / unit, (y - mean) / unit
+        set_means.append(sum(kid(x_units[in_set == s], y_units[in_set == s], (groups[in_set == s],) * 2)
+                             for s in range(5)) / 5)
+        estimates.append(kid_standard_error(x, y, (groups, groups)))
+        wholes.append(kid_to_reference(x, y, (groups, groups)))
+    true_error = torch.tensor(set_means).std().item()
+    assert 0.8 < torch.tensor(estimates).mean().item() / true_error < 1.1
+    assert torch.tensor(wholes).std().item() <= 1.05 * true_error
+
+
+def test_kids_standard_error_needs_two_sets_of_two_samples_of_every_group():
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(15, 4, generator=generator), torch.randn(15, 4, generator=generator)
+    three = torch.arange(5).repeat(3)  # 3 samples of each group: 1 set of 2 at most
+    assert math.isnan(kid_standard_error(x, y, (three, three)))
+    four = torch.arange(5).repeat(4)[:15]  # one group holds only 2
+    assert math.isnan(kid_standard_error(x, y, (four, four)))
+    assert kid_standard_error(torch.cat([x, x + 1]), torch.cat([y, y]), (torch.arange(5).repeat(6),) * 2) > 0

@@ -17,6 +17,24 @@ def test_a_win_is_claimed_only_when_every_judge_sees_it():
     assert "no judge" in judges_verdict(("student", {}), base, JUDGES)
 
 
+def test_a_difference_within_two_standard_errors_supports_no_claim_either_way():
+    base = ("teacher, 4 steps", {"eval/fd": 4.0, "eval/pixel_kid": 0.02, "eval/pixel_kid_se": 0.003})
+    # 0.02 - 0.013 = 0.007 against 2 sqrt(0.003^2 + 0.002^2) = 0.0072: within the noise, though lower
+    near = judges_verdict(("student", {"eval/fd": 3.0, "eval/pixel_kid": 0.013, "eval/pixel_kid_se": 0.002}), base,
+                          JUDGES)
+    assert "no claim: within 2 standard errors by pixel KID" in near and "0.013 ± 0.002 ~ 0.02 ± 0.003" in near
+    far = judges_verdict(("student", {"eval/fd": 3.0, "eval/pixel_kid": 0.012, "eval/pixel_kid_se": 0.002}), base,
+                         JUDGES)  # 0.008 > 0.0072
+    assert "closer by every judge" in far and "0.012 ± 0.002 < 0.02 ± 0.003" in far
+    worse = judges_verdict(("student", {"eval/fd": 3.0, "eval/pixel_kid": 0.03, "eval/pixel_kid_se": 0.001}), base,
+                           JUDGES)
+    assert "CONTRADICTED" in worse
+    # an error in one row only is not an error of the difference: the plain comparison stands
+    assert "closer by every judge" in judges_verdict(
+        ("student", {"eval/fd": 3.0, "eval/pixel_kid": 0.019, "eval/pixel_kid_se": 0.01}), base[:1] + (
+            {"eval/fd": 4.0, "eval/pixel_kid": 0.02},), JUDGES)
+
+
 def test_variants_are_ranked_by_each_judge_and_disagreement_is_flagged():
     rows = [("a", {"eval/fd": 1.0, "eval/pixel_kid": 0.3}), ("b", {"eval/fd": 2.0, "eval/pixel_kid": 0.2}),
             ("c", {"eval/fd": 3.0, "eval/pixel_kid": 0.1})]

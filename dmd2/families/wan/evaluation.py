@@ -6,6 +6,7 @@ reference made once per run and split over the ranks, KID to it, diversity and i
 
 - `eval/pixel_kid_teacher` (= `eval/distance_teacher`, the gate): KID between the student's videos and the teacher's
   reference ones, on the frames of a strip (up to 8, evenly spaced) area-downsampled to 32 x 32, concatenated;
+  `eval/pixel_kid_teacher_se` its standard error (`dmd2.flow_pipeline.evaluation.kid_scores`);
 - `eval/diversity`, `eval/diversity_ratio`: on the same features;
 - `eval/motion`: the mean absolute change between consecutive frames (pixels in [-1, 1]), and `eval/motion_ratio`,
   it over the teacher's reference videos' own: ~1 healthy, ~0 for a student that freezes motion (a still video
@@ -26,7 +27,8 @@ from torch import Tensor
 from dmd2.eval_set import DECODE_BATCH, PromptSetEvaluator, image_grid, on_device
 from dmd2.family import Evaluation
 from dmd2.media import strip_frames
-from dmd2.metrics import diversity, kid_to_reference, pixel_features
+from dmd2.flow_pipeline.evaluation import kid_scores
+from dmd2.metrics import diversity, pixel_features
 
 DISTANCE = "eval/distance_teacher"  # the gate (WanFamily.gate_metric): the pixel KID, the one judge of videos here
 MOTION = "eval/motion"
@@ -86,10 +88,11 @@ class WanEvaluator(PromptSetEvaluator):
     def _scores(self, latents: Tensor) -> tuple[dict[str, float], Tensor]:
         videos = self.decode(latents)
         spaces, reference, prompt_of = self._spaces(videos), self._reference_spaces(), self.prompt_of()
-        kid = kid_to_reference(spaces["pixels"], reference["pixels"], (prompt_of, prompt_of))
+        kids = kid_scores("eval/pixel_kid_teacher", spaces["pixels"], reference["pixels"], (prompt_of, prompt_of))
+        kid = kids["eval/pixel_kid_teacher"]
         spread, teacher_spread = diversity(spaces["pixels"], prompt_of), diversity(reference["pixels"], prompt_of)
         teacher_motion = reference["motion"].item()
-        scores = {"eval/pixel_kid_teacher": kid, DISTANCE: kid, "eval/diversity": spread,
+        scores = kids | {DISTANCE: kid, "eval/diversity": spread,
                   "eval/diversity_ratio": spread / teacher_spread if teacher_spread > 0 else math.nan,
                   MOTION: motion(videos),
                   "eval/motion_ratio": motion(videos) / teacher_motion if teacher_motion > 0 else math.nan}

@@ -46,8 +46,8 @@ class WanFamily(ModelFamily):
     name = "wan"
     gate_metric = "eval/distance_teacher"  # the pixel KID of the videos to the teacher's (evaluation.py)
     splits_evaluation = True  # a many-step guided teacher over 81 frames: every rank samples a share
-    report_columns = {"eval/pixel_kid_teacher": "pixel KID vs teacher", "eval/diversity_ratio": "diversity / teacher's",
-                      "eval/motion_ratio": "motion / teacher's"}
+    report_columns = {"eval/pixel_kid_teacher": "pixel KID vs teacher", "eval/pixel_kid_teacher_se": "± SE",
+                      "eval/diversity_ratio": "diversity / teacher's", "eval/motion_ratio": "motion / teacher's"}
     judges = {"eval/pixel_kid_teacher": "pixel KID"}
     generate_example = ("a cat runs on the grass",)  # prompts
     generated_shape = (-1, -1, -1, 3)  # frames, height, width, RGB

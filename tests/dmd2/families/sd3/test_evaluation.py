@@ -84,6 +84,7 @@ def test_scores_match_an_explicit_computation(sd3_dir, sd3_pipe, tmp_path):
     scores = evaluation.scores
     assert scores["eval/pixel_kid_teacher"] == pytest.approx(expected_kid, rel=1e-4, abs=1e-7)
     assert scores["eval/distance_teacher"] == scores["eval/pixel_kid_teacher"] and "eval/kid_teacher" not in scores
+    assert "eval/pixel_kid_teacher_se" not in scores  # 2 noises a prompt: too few to estimate its spread
     spread = [(pixels[p] - pixels[p + 2]).norm().item() for p in (0, 1)]  # each prompt's one pair of samples
     teacher = pixel_features(reference_images)
     teacher_spread = [(teacher[p] - teacher[p + 2]).norm().item() for p in (0, 1)]
@@ -131,6 +132,22 @@ def test_a_feature_model_is_the_judge_of_the_distance_and_the_diversity(build, s
     assert scores["eval/distance_teacher"] == scores["eval/kid_teacher"] != scores["eval/pixel_kid_teacher"]
     spread = [(ours[p] - ours[p + 2]).norm().item() for p in (0, 1)]
     assert scores["eval/diversity"] == pytest.approx(sum(spread) / 2, rel=1e-4)
+
+
+def test_each_kid_carries_its_standard_error_from_sets_of_the_eval_sets_noises(sd3_dir, sd3_pipe, tmp_path):
+    """4 noises a prompt: two sets of 2 each (noises 0 and 2, 1 and 3), whose KIDs' spread over sqrt(2) is the error."""
+    evaluator, family = evaluator_of(sd3_dir, sd3_pipe, tmp_path, samples_per_prompt=4)
+    student = family.velocity(family.load_model(str(sd3_dir)))
+    scores = evaluator.evaluate(student).scores
+    ours = pixel_features(decoded(sd3_dir, evaluator.student_share(student)))
+    teacher = pixel_features(decoded(sd3_dir, evaluator.teacher_samples()["reference"]))
+    prompt_of = evaluator.prompt_of()  # row k P + p: prompt p, noise k
+    mean = teacher.double().mean(0)
+    scale = (teacher.double() - mean).pow(2).mean().sqrt()
+    ours, teacher = (ours.double() - mean) / scale, (teacher.double() - mean) / scale  # the whole reference's units
+    sets = [torch.tensor([0, 1, 4, 5]), torch.tensor([2, 3, 6, 7])]  # noises {0, 2} and {1, 3} of both prompts
+    kids = torch.tensor([kid(ours[rows], teacher[rows], (prompt_of[rows], prompt_of[rows])) for rows in sets])
+    assert scores["eval/pixel_kid_teacher_se"] == pytest.approx(kids.std().item() / 2**0.5, rel=1e-3)
 
 
 def test_builtin_digits_reads_the_digit_each_prompt_names(sd3_dir, sd3_pipe, tmp_path, shared_cache):
