@@ -93,9 +93,9 @@ class WanEvaluator(PromptSetEvaluator):
         spread, teacher_spread = diversity(spaces["pixels"], prompt_of), diversity(reference["pixels"], prompt_of)
         teacher_motion = reference["motion"].item()
         scores = kids | {DISTANCE: kid, "eval/diversity": spread,
-                  "eval/diversity_ratio": spread / teacher_spread if teacher_spread > 0 else math.nan,
-                  MOTION: motion(videos),
-                  "eval/motion_ratio": motion(videos) / teacher_motion if teacher_motion > 0 else math.nan}
+                         "eval/diversity_ratio": spread / teacher_spread if teacher_spread > 0 else math.nan,
+                         MOTION: motion(videos),
+                         "eval/motion_ratio": motion(videos) / teacher_motion if teacher_motion > 0 else math.nan}
         return scores, videos
 
     @torch.no_grad()
