@@ -180,6 +180,6 @@ def test_kids_standard_error_needs_two_sets_of_two_samples_of_every_group():
     x, y = torch.randn(15, 4, generator=generator), torch.randn(15, 4, generator=generator)
     three = torch.arange(5).repeat(3)  # 3 samples of each group: 1 set of 2 at most
     assert math.isnan(kid_standard_error(x, y, (three, three)))
-    four = torch.arange(5).repeat(4)[:15]  # one group holds only 2
-    assert math.isnan(kid_standard_error(x, y, (four, four)))
+    uneven = torch.tensor([0, 1, 2] * 4 + [3] * 3)  # 4 samples of three groups, 3 of the last: still 1 set
+    assert math.isnan(kid_standard_error(x, y, (uneven, uneven)))
     assert kid_standard_error(torch.cat([x, x + 1]), torch.cat([y, y]), (torch.arange(5).repeat(6),) * 2) > 0
