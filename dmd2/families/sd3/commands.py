@@ -48,6 +48,9 @@ COMMANDS = [
             "Resolve the recipe's teacher (training builtin:digits-sd3 if not cached), distill its student in "
             "process, and print for the teacher at many and few guided steps, the untrained and the distilled "
             "student: the distance to the teacher's many-step samples by two judges (KID in [eval] feature_model's "
-            "features and on pixels), diversity beside the teacher's, and the prompt accuracy where the judge "
-            "reads digits (docs/architecture.md).", _table_args, _table),
+            "features and on pixels, each with its standard error), diversity beside the teacher's, and the prompt "
+            "accuracy where the judge reads digits (docs/architecture.md). A difference within 2 standard errors "
+            "supports no claim either way; to resolve closer rows, sample more noises a prompt, e.g. --set "
+            "eval.samples_per_prompt=100.",
+            _table_args, _table),
 ]
