@@ -63,16 +63,21 @@ def kid(x: Tensor, y: Tensor, groups: tuple[Tensor, Tensor] | None = None) -> fl
             - 2 * (kernel(x, y) * weights(x_groups, y_groups, False)).sum()).item()
 
 
-def kid_to_reference(x: Tensor, reference: Tensor, groups: tuple[Tensor, Tensor] | None = None) -> float:
-    """`kid` of ``x`` against ``reference`` in the reference's own units: both centred on the reference's mean and
-    divided by its root mean square deviation, so that a.b / d is about 0 between two independent samples of the
-    reference and 1 for a sample with itself, whatever the judge's offset and scale. KID's cubic kernel was sized
-    for Inception's features (entries well under 1); on a small classifier's ReLU features (entries in the tens,
-    all positive) a.b / d is in the tens, the cubic term in the thousands, and the estimate's spread with it."""
+def in_reference_units(x: Tensor, reference: Tensor) -> tuple[Tensor, Tensor]:
+    """Both sets in float64, centred on the reference's mean and divided by its root mean square deviation."""
     x, reference = x.double(), reference.double()
     mean = reference.mean(0)
     scale = (reference - mean).pow(2).mean().sqrt().clamp(min=torch.finfo(torch.float64).tiny)
-    return kid((x - mean) / scale, (reference - mean) / scale, groups)
+    return (x - mean) / scale, (reference - mean) / scale
+
+
+def kid_to_reference(x: Tensor, reference: Tensor, groups: tuple[Tensor, Tensor] | None = None) -> float:
+    """`kid` of ``x`` against ``reference`` in the reference's own units (`in_reference_units`), so that a.b / d is
+    about 0 between two independent samples of the reference and 1 for a sample with itself, whatever the judge's
+    offset and scale. KID's cubic kernel was sized for Inception's features (entries well under 1); on a small
+    classifier's ReLU features (entries in the tens, all positive) a.b / d is in the tens, the cubic term in the
+    thousands, and the estimate's spread with it."""
+    return kid(*in_reference_units(x, reference), groups)
 
 
 def kid_standard_error(x: Tensor, reference: Tensor, groups: tuple[Tensor, Tensor], sets: int = 5) -> float:
@@ -87,17 +92,16 @@ def kid_standard_error(x: Tensor, reference: Tensor, groups: tuple[Tensor, Tenso
     sets = min(sets, smallest // 2)  # kid needs 2 samples of every group in each set
     if sets < 2:
         return float("nan")
-    x, reference = x.double(), reference.double()
-    mean = reference.mean(0)
-    scale = (reference - mean).pow(2).mean().sqrt().clamp(min=torch.finfo(torch.float64).tiny)
-    x, reference = (x - mean) / scale, (reference - mean) / scale
+    x, reference = in_reference_units(x, reference)
 
     def dealt(set_groups: Tensor, which: int) -> Tensor:
         return torch.cat([(set_groups == g).nonzero().flatten()[which::sets] for g in labels])
 
-    kids = torch.tensor([kid(x[dealt(x_groups, s)], reference[dealt(y_groups, s)],
-                             (x_groups[dealt(x_groups, s)], y_groups[dealt(y_groups, s)])) for s in range(sets)])
-    return (kids.std() / sets**0.5).item()
+    kids = []
+    for which in range(sets):
+        rows, reference_rows = dealt(x_groups, which), dealt(y_groups, which)
+        kids.append(kid(x[rows], reference[reference_rows], (x_groups[rows], y_groups[reference_rows])))
+    return (torch.tensor(kids).std() / sets**0.5).item()
 
 
 def pixel_features(images: Tensor, size: int = PIXEL_SIZE) -> Tensor:
