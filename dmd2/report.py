@@ -1,5 +1,7 @@
 """The eval table every command prints: named rows of scores, one column per score key."""
 
+import math
+
 
 def _cell(scores: dict[str, float], key: str) -> str:
     if key not in scores:
@@ -23,12 +25,16 @@ def format_table(rows: list[tuple[str, dict[str, float]]], columns: dict[str, st
 TIE_STANDARD_ERRORS = 2
 
 
+def within_noise(value: float, error: float, other: float, other_error: float) -> bool:
+    """Whether two estimates differ by at most `TIE_STANDARD_ERRORS` of their difference's standard error."""
+    return abs(value - other) <= TIE_STANDARD_ERRORS * math.hypot(error, other_error)
+
+
 def _reading(scores: dict[str, float], base: dict[str, float], key: str, heading: str) -> tuple[int, str]:
     """(-1 closer, 1 farther, 0 within the noise; the reading as text) of one judge's score against the baseline's."""
     value, other, error = scores[key], base[key], f"{key}_se"
     if error in scores and error in base:
-        noise = TIE_STANDARD_ERRORS * (scores[error] ** 2 + base[error] ** 2) ** 0.5
-        sign = 0 if abs(value - other) <= noise else -1 if value < other else 1
+        sign = 0 if within_noise(value, scores[error], other, base[error]) else -1 if value < other else 1
         symbol = {-1: "<", 0: "~", 1: ">"}[sign]
         return sign, f"{heading} {value:.4g} ± {scores[error]:.2g} {symbol} {other:.4g} ± {base[error]:.2g}"
     return (-1 if value < other else 1), f"{heading} {value:.4g} {'<' if value < other else '>='} {other:.4g}"

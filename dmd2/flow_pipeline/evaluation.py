@@ -10,7 +10,7 @@ run and split over the ranks) on pictures decoded by the pipeline's VAE as the p
 - `eval/kid_teacher`: the same KID in `[eval] feature_model`'s features, when one is set;
 - `eval/pixel_kid_teacher_se`, `eval/kid_teacher_se`: their standard errors, from the spread of KIDs over disjoint
   sets of the eval set's noises (with at least 4 noises per prompt);
-- `eval/distance_teacher`: the gate, the feature KID when a feature model is set, else the pixel KID;
+- `eval/distance_teacher` (and `_se`): the gate, the feature KID when a feature model is set, else the pixel KID;
 - `eval/diversity`: the mean over prompts of the mean distance between a prompt's samples (in the feature model's
   space, else pixels), and `eval/diversity_ratio`, it over the teacher's reference samples' own: ~1 healthy, ~0 for
   a collapsed student (the same picture from every noise);
@@ -44,6 +44,12 @@ def kid_scores(key: str, x: Tensor, reference: Tensor, strata: tuple[Tensor, Ten
     if not math.isnan(error := kid_standard_error(x, reference, strata)):
         scores[f"{key}_se"] = error
     return scores
+
+
+def gate_scores(scores: dict[str, float], key: str) -> dict[str, float]:
+    """The score ``key``, and its standard error if it has one, again under the gate's name (`DISTANCE`): the
+    registry moves the champion only by more than the noise of both versions' figures."""
+    return {DISTANCE + suffix: scores[key + suffix] for suffix in ("", "_se") if key + suffix in scores}
 
 
 @dataclass
@@ -95,7 +101,7 @@ class PictureEvaluator(PromptSetEvaluator):
         scores = kid_scores("eval/pixel_kid_teacher", spaces["pixels"], reference["pixels"], strata)
         if "features" in spaces:
             scores |= kid_scores("eval/kid_teacher", spaces["features"], reference["features"], strata)
-        scores[DISTANCE] = scores.get("eval/kid_teacher", scores["eval/pixel_kid_teacher"])
+        scores |= gate_scores(scores, "eval/kid_teacher" if "features" in spaces else "eval/pixel_kid_teacher")
         space = "features" if "features" in spaces else "pixels"
         spread, teacher_spread = diversity(spaces[space], prompt_of), diversity(reference[space], prompt_of)
         scores["eval/diversity"] = spread

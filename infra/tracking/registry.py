@@ -3,8 +3,9 @@
 `register_student` logs the export as an MLflow model of the distill run (infra/tracking/student_model.py),
 registers it as a new version of the named model, tagged with where it came from and its eval figures,
 and moves the alias `champion` to it only when its family's gate metric beats the current champion's
-(read from that version's tags). A version whose evaluation was skipped or failed (no figure, or a
-non-finite one) is never champion. The version's `dmd2.promotion` tag says why.
+(read from that version's tags), by more than the two figures' noise where the evaluation estimated it. A
+version whose evaluation was skipped or failed (no figure, or a non-finite one) is never champion. The
+version's `dmd2.promotion` tag says why.
 
 The newest version is `models:/<name>/latest`: MLflow resolves that itself (the highest version) and
 reserves the alias name `latest`, so no alias is set for it.
@@ -25,6 +26,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
 from dmd2.family import ModelFamily
+from dmd2.report import TIE_STANDARD_ERRORS, within_noise
 from infra.tracking.credentials import redacted
 from infra.tracking.student_model import log_student_model
 
@@ -89,12 +91,13 @@ def register_student(client: MlflowClient, model_name: str, mlflow_run_id: str, 
 def _promote(client: MlflowClient, name: str, version: str, tags: Mapping[str, str],
              family: ModelFamily) -> tuple[bool, str]:
     """`champion` to `version` (tagged `tags`) if it passes the gate; the decision in its promotion tag."""
-    champion = _champion(client, name)
-    current = None
+    champion, metric = _champion(client, name), family.gate_metric
+    current, current_error = None, None
     if champion is not None and champion != version:
-        current = champion, _figure(client.get_model_version(name, champion).tags, family.gate_metric)
-    promoted, reason = promotion(family.gate_metric, family.gate_lower_is_better, _figure(tags, family.gate_metric),
-                                 current)
+        champion_tags = client.get_model_version(name, champion).tags
+        current, current_error = (champion, _figure(champion_tags, metric)), _error(champion_tags, metric)
+    promoted, reason = promotion(metric, family.gate_lower_is_better, _figure(tags, metric), current,
+                                 error=_error(tags, metric), champion_error=current_error)
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, version)
     client.set_model_version_tag(name, version, PROMOTION_TAG, reason)
@@ -103,9 +106,12 @@ def _promote(client: MlflowClient, name: str, version: str, tags: Mapping[str, s
 
 
 def promotion(metric: str | None, lower_is_better: bool, figure: float | None,
-              champion: tuple[str, float | None] | None) -> tuple[bool, str]:
+              champion: tuple[str, float | None] | None, *, error: float | None = None,
+              champion_error: float | None = None) -> tuple[bool, str]:
     """Whether a version with gate `figure` becomes champion over `champion` (its version and figure; None:
-    there is none), and why. Only a finite figure is promoted; a tie keeps the champion."""
+    there is none), and why. Only a finite figure is promoted; a tie keeps the champion, and so does a better
+    figure within `TIE_STANDARD_ERRORS` standard errors when both figures carry one (`error`, `champion_error`):
+    a KID on a small eval set moves that much from noise alone, and the alias must not follow it."""
     if metric is None:
         return False, "not promoted: the family names no gate metric"
     if figure is None:
@@ -119,6 +125,10 @@ def promotion(metric: str | None, lower_is_better: bool, figure: float | None,
         return True, f"champion: {metric} {figure:.4g}; version {version}, the previous champion, had none"
     beats = figure < best if lower_is_better else figure > best
     sign = ("<" if beats else ">=") if lower_is_better else (">" if beats else "<=")
+    if beats and error is not None and champion_error is not None and within_noise(figure, error, best,
+                                                                                     champion_error):
+        return False, (f"not promoted: {metric} {figure:.4g} ± {error:.2g} {sign} {best:.4g} ± {champion_error:.2g} "
+                       f"of version {version}, the champion, but within {TIE_STANDARD_ERRORS} standard errors")
     if beats:
         return True, f"champion: {metric} {figure:.4g} {sign} {best:.4g} of version {version}, the previous champion"
     return False, f"not promoted: {metric} {figure:.4g} {sign} {best:.4g} of version {version}, the champion"
@@ -134,6 +144,12 @@ def _figure(tags: Mapping[str, str], metric: str | None) -> float | None:
         return float(tags[metric]) if metric else None
     except (KeyError, ValueError):
         return None
+
+
+def _error(tags: Mapping[str, str], metric: str | None) -> float | None:
+    """The standard error the evaluation gave the gate figure (`<metric>_se`), if a finite one."""
+    error = _figure(tags, f"{metric}_se" if metric else None)
+    return error if error is not None and math.isfinite(error) else None
 
 
 def _ensure_model(client: MlflowClient, name: str) -> None:

@@ -27,10 +27,9 @@ from torch import Tensor
 from dmd2.eval_set import DECODE_BATCH, PromptSetEvaluator, image_grid, on_device
 from dmd2.family import Evaluation
 from dmd2.media import strip_frames
-from dmd2.flow_pipeline.evaluation import kid_scores
+from dmd2.flow_pipeline.evaluation import gate_scores, kid_scores
 from dmd2.metrics import diversity, pixel_features
 
-DISTANCE = "eval/distance_teacher"  # the gate (WanFamily.gate_metric): the pixel KID, the one judge of videos here
 MOTION = "eval/motion"
 
 
@@ -89,10 +88,10 @@ class WanEvaluator(PromptSetEvaluator):
         videos = self.decode(latents)
         spaces, reference, prompt_of = self._spaces(videos), self._reference_spaces(), self.prompt_of()
         kids = kid_scores("eval/pixel_kid_teacher", spaces["pixels"], reference["pixels"], (prompt_of, prompt_of))
-        kid = kids["eval/pixel_kid_teacher"]
         spread, teacher_spread = diversity(spaces["pixels"], prompt_of), diversity(reference["pixels"], prompt_of)
         teacher_motion = reference["motion"].item()
-        scores = kids | {DISTANCE: kid, "eval/diversity": spread,
+        # the gate (WanFamily.gate_metric): the pixel KID, the one judge of videos here
+        scores = kids | gate_scores(kids, "eval/pixel_kid_teacher") | {"eval/diversity": spread,
                          "eval/diversity_ratio": spread / teacher_spread if teacher_spread > 0 else math.nan,
                          MOTION: motion(videos),
                          "eval/motion_ratio": motion(videos) / teacher_motion if teacher_motion > 0 else math.nan}

@@ -131,6 +131,18 @@ def test_promotion_when_higher_is_better(figure, champion, promoted):
     assert promotion("eval/clip_score", False, figure, champion)[0] is promoted
 
 
+@pytest.mark.parametrize("figure, error, champion_error, promoted", [
+    (0.010, 0.002, 0.002, False),  # 0.005 better, within 2 x 0.0028
+    (0.009, 0.002, 0.002, True),  # 0.006 better, beyond 2 x 0.0028
+    (0.014, 0.0001, 0.0001, True), (0.010, 0.002, None, True), (0.010, None, 0.002, True),  # no noise to weigh
+    (0.016, 0.0001, 0.0001, False)])
+def test_a_better_figure_within_two_standard_errors_keeps_the_champion(figure, error, champion_error, promoted):
+    decision, reason = promotion("eval/distance_teacher", True, figure, ("1", 0.015), error=error,
+                                 champion_error=champion_error)
+    assert decision is promoted
+    assert ("within 2 standard errors" in reason) is (not promoted and figure < 0.015)
+
+
 def test_a_family_without_a_gate_metric_promotes_nothing():
     assert promotion(None, True, 1.0, None) == (False, "not promoted: the family names no gate metric")
 
@@ -168,6 +180,19 @@ def test_an_sd3_student_is_a_model_of_prompts(tracking, sd3_student, monkeypatch
     images = model.predict(prompts, params={"seed": 1})
     assert images.dtype == np.uint8 and images.shape == (2, 16, 16, 3)
     np.testing.assert_array_equal(images, np.stack(sd3.generate(student_dir, prompts, settings, seed=1)))
+
+
+def test_the_champion_moves_only_beyond_both_versions_noise_read_from_their_tags(tracking, sd3_student):
+    """The gate's standard error (`eval/distance_teacher_se`, as the evaluation logs it) travels in each version's
+    tags: a better figure within 2 standard errors of the champion's keeps the champion, one beyond moves it."""
+    sd3, gate = family_class("sd3")(), "eval/distance_teacher"
+    figures = [(0.020, 0.004), (0.012, 0.003), (0.004, 0.001)]  # 0.008 < 2 x 0.005 better; then 0.016 > 2 x 0.0041
+    versions = [register(tracking, sd3_student, sd3, "noisy", {gate: kid, f"{gate}_se": error}, n)
+                for n, (kid, error) in enumerate(figures, start=1)]
+    assert [v.promoted for v in versions] == [True, False, True]
+    assert versions[1].reason == (f"not promoted: {gate} 0.012 ± 0.003 < 0.02 ± 0.004 of version 1, the champion, "
+                                  "but within 2 standard errors")
+    assert str(MlflowClient(tracking).get_model_version_by_alias("noisy", CHAMPION).version) == versions[2].version
 
 
 def test_a_collapsed_sd3_student_is_not_promoted_over_a_healthy_champion(tracking, sd3_teacher, sd3_student,

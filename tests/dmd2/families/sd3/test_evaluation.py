@@ -85,6 +85,7 @@ def test_scores_match_an_explicit_computation(sd3_dir, sd3_pipe, tmp_path):
     assert scores["eval/pixel_kid_teacher"] == pytest.approx(expected_kid, rel=1e-4, abs=1e-7)
     assert scores["eval/distance_teacher"] == scores["eval/pixel_kid_teacher"] and "eval/kid_teacher" not in scores
     assert "eval/pixel_kid_teacher_se" not in scores  # 2 noises a prompt: too few to estimate its spread
+    assert "eval/distance_teacher_se" not in scores
     spread = [(pixels[p] - pixels[p + 2]).norm().item() for p in (0, 1)]  # each prompt's one pair of samples
     teacher = pixel_features(reference_images)
     teacher_spread = [(teacher[p] - teacher[p + 2]).norm().item() for p in (0, 1)]
@@ -148,6 +149,7 @@ def test_each_kid_carries_its_standard_error_from_sets_of_the_eval_sets_noises(s
     sets = [torch.tensor([0, 1, 4, 5]), torch.tensor([2, 3, 6, 7])]  # noises {0, 2} and {1, 3} of both prompts
     kids = torch.tensor([kid(ours[rows], teacher[rows], (prompt_of[rows], prompt_of[rows])) for rows in sets])
     assert scores["eval/pixel_kid_teacher_se"] == pytest.approx(kids.std().item() / 2**0.5, rel=1e-3)
+    assert scores["eval/distance_teacher_se"] == scores["eval/pixel_kid_teacher_se"]  # the gate's, for the registry
 
 
 def test_builtin_digits_reads_the_digit_each_prompt_names(sd3_dir, sd3_pipe, tmp_path, shared_cache):
