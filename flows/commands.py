@@ -64,9 +64,11 @@ def _distill(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
     # A run cut back, too (the flow asks again under its lease).
     check_rollouts_reach(run_id, store.latest_checkpoint(run_id), checked.config.train.rollouts)
     from flows.distill import distill
+    from flows.prefect_env import start_local_server
     from infra.tracking import uri_to_pass_on
 
     tracking = uri_to_pass_on(args.tracking_uri, "--tracking-uri")  # a flow parameter: credentials go to the env
+    start_local_server()
     result = distill(recipe=str(args.recipe), run_id=run_id, rollouts=args.rollouts, overrides=args.overrides,
                      store_uri=args.store, ray_address=args.ray_address, tracking_uri=tracking,
                      cache_dir=str(args.cache_dir), output_dir=str(args.output_dir))

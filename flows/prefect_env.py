@@ -6,7 +6,10 @@ dedicated server (`prefect server start`) takes the server-side ones from its ow
 docs/deployments.md says which are worth setting there.
 """
 
+import atexit
 import os
+import subprocess
+import sys
 
 DEFAULTS = {
     # A local Prefect server's telemetry only fails on a machine without internet.
@@ -28,3 +31,33 @@ def apply_defaults() -> None:
     """Set each of `DEFAULTS` that the environment does not set already."""
     for name, value in DEFAULTS.items():
         os.environ.setdefault(name, value)
+
+
+# Beside the CLI: once the CLI is gone (its parent pid changes), stop the server it started. SIGINT is ignored: Ctrl-C
+# reaches the whole foreground group, and the CLI, still up, stops both itself.
+_WATCHER = """
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+cli, server = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == cli:
+    time.sleep(1)
+os.kill(server, signal.SIGTERM)
+"""
+
+
+def start_local_server() -> None:
+    """Where no Prefect API is set, start Prefect's local server now (the one its first API call would start) with a
+    watcher that stops it once this process is gone. Prefect stops it at exit and on SIGTERM, but a SIGKILLed CLI (the
+    OOM killer, `kill -9`) would leave it serving for ever, a port and ~250 MB each. The watcher is stopped at this
+    process's exit, before the server (atexit runs last-registered first), so it acts only when exit hooks did not run.
+    """
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return
+    server = SubprocessASGIServer()  # Prefect's own instance: its clients find it started
+    server.start()
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(os.getpid()), str(server.server_process.pid)],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    atexit.register(watcher.kill)
