@@ -1,6 +1,7 @@
-"""The Prefect settings the `dmd2` command starts with, each unless the environment already sets it.
+"""The Prefect settings the `dmd2` command starts with, each unless the environment already sets it, and the local
+Prefect server it starts where no Prefect API is set (`start_local_server`).
 
-They must be in the environment before Prefect is imported (it reads its settings then), and they
+The settings must be in the environment before Prefect is imported (it reads its settings then), and they
 reach the local Prefect server that a run without PREFECT_API_URL starts, as its environment. A
 dedicated server (`prefect server start`) takes the server-side ones from its own environment:
 docs/deployments.md says which are worth setting there.
@@ -41,7 +42,10 @@ signal.signal(signal.SIGINT, signal.SIG_IGN)
 cli, server = int(sys.argv[1]), int(sys.argv[2])
 while os.getppid() == cli:
     time.sleep(1)
-os.kill(server, signal.SIGTERM)
+try:
+    os.kill(server, signal.SIGTERM)
+except ProcessLookupError:
+    pass
 """
 
 
