@@ -101,8 +101,8 @@ class PictureEvaluator(PromptSetEvaluator):
         scores = kid_scores("eval/pixel_kid_teacher", spaces["pixels"], reference["pixels"], strata)
         if "features" in spaces:
             scores |= kid_scores("eval/kid_teacher", spaces["features"], reference["features"], strata)
-        scores |= gate_scores(scores, "eval/kid_teacher" if "features" in spaces else "eval/pixel_kid_teacher")
-        space = "features" if "features" in spaces else "pixels"
+        space = "features" if "features" in spaces else "pixels"  # the gate's judge, and diversity's
+        scores |= gate_scores(scores, {"features": "eval/kid_teacher", "pixels": "eval/pixel_kid_teacher"}[space])
         spread, teacher_spread = diversity(spaces[space], prompt_of), diversity(reference[space], prompt_of)
         scores["eval/diversity"] = spread
         scores["eval/diversity_ratio"] = spread / teacher_spread if teacher_spread > 0 else math.nan

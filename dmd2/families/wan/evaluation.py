@@ -89,12 +89,11 @@ class WanEvaluator(PromptSetEvaluator):
         spaces, reference, prompt_of = self._spaces(videos), self._reference_spaces(), self.prompt_of()
         kids = kid_scores("eval/pixel_kid_teacher", spaces["pixels"], reference["pixels"], (prompt_of, prompt_of))
         spread, teacher_spread = diversity(spaces["pixels"], prompt_of), diversity(reference["pixels"], prompt_of)
-        teacher_motion = reference["motion"].item()
-        # the gate (WanFamily.gate_metric): the pixel KID, the one judge of videos here
-        scores = kids | gate_scores(kids, "eval/pixel_kid_teacher") | {"eval/diversity": spread,
-                         "eval/diversity_ratio": spread / teacher_spread if teacher_spread > 0 else math.nan,
-                         MOTION: motion(videos),
-                         "eval/motion_ratio": motion(videos) / teacher_motion if teacher_motion > 0 else math.nan}
+        moving, teacher_motion = motion(videos), reference["motion"].item()
+        scores = kids | gate_scores(kids, "eval/pixel_kid_teacher")  # the one judge of videos here is the gate
+        scores |= {"eval/diversity": spread,
+                   "eval/diversity_ratio": spread / teacher_spread if teacher_spread > 0 else math.nan,
+                   MOTION: moving, "eval/motion_ratio": moving / teacher_motion if teacher_motion > 0 else math.nan}
         return scores, videos
 
     @torch.no_grad()
