@@ -4,7 +4,10 @@ import os
 import stat
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
+from dmd2.families.digits.model import build_digits_unet
 from dmd2.files import atomic_dir, atomic_file
 
 
@@ -35,6 +38,22 @@ def test_an_atomic_dir_gets_the_mode_a_plain_mkdir_gives(umask, tmp_path):
         (staging / "config.json").write_text("{}")
     assert _mode(tmp_path / "teacher") == _mode(tmp_path / "plain") == 0o777 & ~umask
     assert _mode(tmp_path / "teacher" / "config.json") == 0o666 & ~umask
+
+
+def test_what_a_library_saves_privately_gets_the_mode_a_plain_open_gives(umask, tmp_path):
+    """safetensors >= 0.8 saves through a 0600 temporary file of its own (safetensors#782), and so does every
+    save_pretrained: a cached teacher or evaluator would be readable by its owner alone."""
+    with atomic_file(tmp_path / "evaluator.safetensors") as tmp:
+        save_file({"w": torch.zeros(2)}, str(tmp))
+    with atomic_dir(tmp_path / "teacher") as staging:
+        build_digits_unet(block_out_channels=(8, 16), norm_num_groups=4).save_pretrained(staging / "unet")
+        (staging / "run.sh").write_text("#!/bin/sh\n")
+        (staging / "run.sh").chmod(0o755)
+    assert _mode(tmp_path / "evaluator.safetensors") == 0o666 & ~umask
+    assert _mode(tmp_path / "teacher" / "unet") == 0o777 & ~umask
+    assert {path.name: _mode(path) for path in (tmp_path / "teacher" / "unet").iterdir()} == {
+        "config.json": 0o666 & ~umask, "diffusion_pytorch_model.safetensors": 0o666 & ~umask}
+    assert _mode(tmp_path / "teacher" / "run.sh") == 0o777 & ~umask  # an executable stays one
 
 
 def test_a_failed_atomic_write_leaves_nothing(tmp_path):
