@@ -4,8 +4,9 @@ The first run trains; a second started on the same run id while the first holds 
 naming the first, and logs nothing (one run per run id: the lease in the store, infra/store/lease.py); a
 third, after the first, reports the first's result and trains nothing; a fourth that would cut the run back
 to fewer rollouts is refused before Prefect starts. The MLflow run stays FINISHED, records
-the two runs that ran, and holds every step once. Nothing is mocked: each CLI starts its own local Prefect
-server, a local Ray and MLflow on sqlite, as `dmd2 distill` does on a user's machine.
+the two runs that ran, and holds every step once; no process the CLIs started (Prefect's local server, Ray)
+outlives them. Nothing is mocked: each CLI starts its own local Prefect server, a local Ray and MLflow on
+sqlite, as `dmd2 distill` does on a user's machine.
 """
 
 import os
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow import MlflowClient
 
@@ -69,8 +71,26 @@ def test_the_cli_in_a_fresh_directory_trains_once_refuses_a_second_run_and_repor
     assert store.list_checkpoints(RUN_ID) == [1, 2]
     assert store.find_json(f"{RUN_ID}/lease.json") is None  # released at the end
     assert (workdir / "outputs" / RUN_ID / "samples.png").is_file()
+    assert started_in(workdir, within_s=30) == [], "processes the CLIs started outlived them"
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     [run] = client.search_runs([client.get_experiment_by_name("dmd2").experiment_id])
     assert run.info.status == "FINISHED"
     assert len([key for key in run.data.tags if key.startswith("prefect.flow_run.")]) == 2  # not the refused one
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [0, 1]
+
+
+def started_in(workdir: Path, within_s: float) -> list[str]:
+    """The processes still running, after up to ``within_s`` seconds, that a CLI of ``workdir`` started (they
+    inherited its PREFECT_HOME): its Prefect server, the watcher beside it, Ray's."""
+    home, deadline = str(workdir / ".prefect"), time.monotonic() + within_s
+    while True:
+        left = []
+        for process in psutil.process_iter(["cmdline"]):
+            try:
+                if process.environ().get("PREFECT_HOME") == home:
+                    left.append(" ".join(process.info["cmdline"] or [])[:200])
+            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
