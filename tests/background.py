@@ -35,9 +35,10 @@ REPO = Path(__file__).resolve().parents[1]
 LANE = ("tests/dmd2/", "tests/infra/trainers/test_memory_plan.py", "tests/flows/test_plan.py",
         "tests/infra/tracking/test_runs.py", "tests/infra/tracking/test_registry.py", "tests/bench/test_memory_bench.py",
         "tests/test_layout.py")
-# About half the session's CPU (the trainer groups', the store's and the faults' tests; the flows' stay). Its
-# timing-sensitive tests (a lease's ttl, S3 down for seconds, a collective's timeout) hold beside the session.
-TWIN = ("tests/infra/", "tests/reliability/", "tests/bench/")
+# About half the session's CPU: the trainer groups', the store's and the faults' tests, and the work pool's (whose
+# processes mostly wait: in the session it made a tail that ran alone). Its timing-sensitive tests (a lease's ttl, S3
+# down for seconds, a collective's timeout) hold beside the session.
+TWIN = ("tests/infra/", "tests/reliability/", "tests/bench/", "tests/flows/test_work_pool.py")
 LANES = {"lane": (LANE, True), "twin": (TWIN, False)}  # name: (its tests, whether at the lowest priority)
 LANE_SWITCH = "DMD2_TESTS_LANE"
 _jobs: dict[str, tuple[subprocess.Popen, Path]] = {}
