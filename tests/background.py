@@ -10,8 +10,9 @@ Prefect and CLI subprocesses. Three kinds of work share the cores instead of que
   - `LANE`, in Linux's idle scheduling class (the session's work comes first; merely niced, a job slowed the tests
     beside it by 15-25%): tests with no server, no session fixture, no deadline or clock, since a test starved of
     CPU for a while must not fail;
-  - `TWIN`, at normal priority: the session's own kind of tests (their own Prefect, moto and Ray: ~40 s of CPU
-    more), split off so that the two halves keep both cores busy.
+  - `TWIN`, at normal priority: the session's own kind of tests, split off so that the two halves keep both cores
+    busy (at the cost of ~1 minute of CPU: the twin starts its own Prefect, moto and Ray, trains the evaluator and
+    makes the tiny run again).
 DMD2_TESTS_LANE=off runs every test in the session instead.
 
 Every test process, and every process it starts (Ray's ranks, the CLIs), waits for work with OpenMP's passive

@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors.torch import load_file
 
@@ -14,17 +15,18 @@ RANK_TITLE = "ray::RankProcess"
 
 
 def rank_pids(method: str = "") -> list[int]:
-    """Pids of the rank processes running `method` now (Ray titles an actor's process `ray::<Class>.<method>`,
-    and `ray::<Class>` while idle); without `method`, of every rank process."""
+    """Pids of this process's rank processes running `method` now (Ray titles an actor's process
+    `ray::<Class>.<method>`, and `ray::<Class>` while idle); without `method`, of every one. Only descendants of
+    this process (its local Ray's ranks): another pytest beside it (tests/background.py) runs ranks of its own."""
+    prefix = f"{RANK_TITLE}.{method}" if method else RANK_TITLE
     pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            except OSError:
-                continue
-            if title.startswith(f"{RANK_TITLE}.{method}" if method else RANK_TITLE):
-                pids.append(int(entry.name))
+    for process in psutil.Process().children(recursive=True):
+        try:
+            title = process.cmdline()[:1]
+        except psutil.Error:  # ended meanwhile
+            continue
+        if title and title[0].startswith(prefix):
+            pids.append(process.pid)
     return sorted(pids)
 
 
