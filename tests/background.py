@@ -1,25 +1,24 @@
-"""Work that needs CPU, run in subprocesses beside the session's tests.
+"""Work that needs CPU but no server, run in subprocesses beside the session's tests.
 
-The suite is CPU-bound on two cores, and one pytest leaves a core idle a third of the time while it waits on Ray,
-Prefect and CLI subprocesses. Three kinds of work share the cores instead of queueing behind each other:
+The suite spends much of its time waiting on Ray, Prefect and CLI subprocesses, with a core idle (alone, the
+session keeps ~1.3 of the two cores busy). Two kinds of work fill it instead of the suite's critical path, both in
+Linux's idle scheduling class, so the tests' own work comes first (merely niced, a job slowed the tests beside it
+by 15-25%):
 
 - jobs: a long self-contained set-up (training a teacher, filling inductor's cache), its code in its module's
   `BACKGROUND_JOBS`, started once the tests are collected if a test marked `waits_for(name)` is to run, which
   then runs last and waits for it (at its own priority, if it is not done); a test run alone simply waits;
-- the lanes, each a second pytest beside the session, its report after the session's, its failures the session's:
-  - `LANE`, in Linux's idle scheduling class (the session's work comes first; merely niced, a job slowed the tests
-    beside it by 15-25%): tests with no server, no session fixture, no deadline or clock, since a test starved of
-    CPU for a while must not fail;
-  - `TWIN`, at normal priority: the session's own kind of tests, split off so that the two halves keep both cores
-    busy (at the cost of ~1 minute of CPU: the twin starts its own Prefect, moto and Ray, trains the evaluator and
-    makes the tiny run again).
-DMD2_TESTS_LANE=off runs every test in the session instead.
+- the lane: the tests of `LANE` (no server, no session fixture, no deadline or clock: a test starved of CPU for a
+  while must not fail), run by a second pytest beside the session's other tests; its report follows the
+  session's, and its failures fail the session. DMD2_TESTS_LANE=off runs them in the session instead.
+
+The session's own tests split into two pytests at normal priority was tried (BENCHMARKS.md, seventh session): no
+clear gain on a CPU-bound machine, and tests with deadlines failed under the contention.
 
 Every test process, and every process it starts (Ray's ranks, the CLIs), waits for work with OpenMP's passive
 policy (`OMP_WAIT_POLICY`, set in tests/conftest.py before torch is imported): by default an idle torch thread
-spins, and on two busy cores that multiplied a test's CPU time by 3 (BENCHMARKS.md).
+spins, and at idle priority beside a busy core that tripled a test's CPU time (BENCHMARKS.md).
 """
-
 import os
 import shutil
 import signal
@@ -36,11 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 LANE = ("tests/dmd2/", "tests/infra/trainers/test_memory_plan.py", "tests/flows/test_plan.py",
         "tests/infra/tracking/test_runs.py", "tests/infra/tracking/test_registry.py", "tests/bench/test_memory_bench.py",
         "tests/test_layout.py")
-# About half the session's CPU: the trainer groups', the store's and the faults' tests, and the work pool's (whose
-# processes mostly wait: in the session it made a tail that ran alone). Its timing-sensitive tests (a lease's ttl, S3
-# down for seconds, a collective's timeout) hold beside the session.
-TWIN = ("tests/infra/", "tests/reliability/", "tests/bench/", "tests/flows/test_work_pool.py")
-LANES = {"lane": (LANE, True), "twin": (TWIN, False)}  # name: (its tests, whether at the lowest priority)
+LANES = {"lane": (LANE, True)}  # name: (its tests, whether at the lowest priority)
 LANE_SWITCH = "DMD2_TESTS_LANE"
 _jobs: dict[str, tuple[subprocess.Popen, Path]] = {}
 _lanes: dict[str, tuple[subprocess.Popen, Path]] = {}
