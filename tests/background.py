@@ -19,6 +19,7 @@ Every test process, and every process it starts (Ray's ranks, the CLIs), waits f
 policy (`OMP_WAIT_POLICY`, set in tests/conftest.py before torch is imported): by default an idle torch thread
 spins, and at idle priority beside a busy core that tripled a test's CPU time (BENCHMARKS.md).
 """
+
 import os
 import shutil
 import signal
@@ -31,14 +32,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # Pure torch by design (tests/dmd2/test_purity.py), or checked so (their stages' memory, `dmd2 plan`, MLflow on
-# sqlite, the layout): ~3 minutes of CPU, which the session's idle moments hold.
+# sqlite, the layout): ~350 core-s (4 minutes alone), which fit in the session's idle moments.
 LANE = ("tests/dmd2/", "tests/infra/trainers/test_memory_plan.py", "tests/flows/test_plan.py",
         "tests/infra/tracking/test_runs.py", "tests/infra/tracking/test_registry.py", "tests/bench/test_memory_bench.py",
         "tests/test_layout.py")
-LANES = {"lane": (LANE, True)}  # name: (its tests, whether at the lowest priority)
 LANE_SWITCH = "DMD2_TESTS_LANE"
 _jobs: dict[str, tuple[subprocess.Popen, Path]] = {}
-_lanes: dict[str, tuple[subprocess.Popen, Path]] = {}
+_lane: list[tuple[subprocess.Popen, Path]] = []
 
 
 def start(name: str, code: str) -> None:
@@ -49,12 +49,12 @@ def start(name: str, code: str) -> None:
                          folder / "output.log", REPO, {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}), folder
 
 
-def _spawn(args: list[str], log: Path, cwd: Path, env: dict[str, str], lowest: bool = True) -> subprocess.Popen:
-    """``args`` (at the lowest priority unless not ``lowest``), in ``cwd`` with ``env`` added to this environment, its
-    output in ``log``: a file, not a pipe, so that a progress bar or a long report never blocks on it."""
+def _spawn(args: list[str], log: Path, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """``args`` at the lowest priority, in ``cwd`` with ``env`` added to this environment, its output in ``log``: a
+    file, not a pipe, so that a progress bar or a long report never blocks on it."""
     with open(log, "w") as out:
         return subprocess.Popen(args, cwd=cwd, env=os.environ | env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, preexec_fn=_lowest_priority if lowest else None)
+                                stderr=subprocess.STDOUT, preexec_fn=_lowest_priority)
 
 
 def _lowest_priority() -> None:
@@ -99,49 +99,44 @@ def stop_all() -> None:
     _jobs.clear()
 
 
-def split_lanes(items: list) -> dict[str, list]:
-    """The items of each lane (`LANES`) taken out of ``items`` (in place), by name, when the session also runs others
-    (a lane alone runs in the session); none in a lane's own pytest, or with DMD2_TESTS_LANE=off."""
+def split_lane(items: list) -> list:
+    """The items of ``LANE`` taken out of ``items`` (in place), when the session also runs others (a lane alone runs
+    in the session); none in the lane's own pytest, or with DMD2_TESTS_LANE=off."""
     switch = os.environ.get(LANE_SWITCH, "")
     if switch not in ("", "off", "lane"):
-        raise pytest.UsageError(f"{LANE_SWITCH}={switch!r}: leave it unset (the lanes run beside the session) or set "
-                                "it to off (their tests run in the session)")
+        raise pytest.UsageError(f"{LANE_SWITCH}={switch!r}: leave it unset (the lane runs beside the session) or set "
+                                "it to off (its tests run in the session)")
     if switch:
-        return {}
-    lanes, left = {}, list(items)
-    for name, (prefixes, _) in LANES.items():
-        if taken := [item for item in left if item.nodeid.startswith(prefixes)]:
-            lanes[name] = taken
-            left = [item for item in left if not item.nodeid.startswith(prefixes)]
-    if not left:
-        return {}
-    items[:] = left
-    return lanes
+        return []
+    lane = [item for item in items if item.nodeid.startswith(LANE)]
+    if not lane or len(lane) == len(items):
+        return []
+    items[:] = [item for item in items if not item.nodeid.startswith(LANE)]
+    return lane
 
 
-def start_lane(name: str, nodeids: list[str], rootdir: Path) -> None:
-    """Run the tests ``nodeids`` in a second pytest, at lane ``name``'s priority, its report kept in a file."""
-    folder = Path(tempfile.mkdtemp(prefix=f"dmd2-tests-{name}-"))
-    _lanes[name] = _spawn([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodeids],
-                          folder / "report.txt", rootdir, {LANE_SWITCH: "lane"}, lowest=LANES[name][1]), folder
+def start_lane(nodeids: list[str], rootdir: Path) -> None:
+    """Run the tests ``nodeids`` in a second pytest at the lowest priority, its report kept in a file."""
+    folder = Path(tempfile.mkdtemp(prefix="dmd2-tests-lane-"))
+    _lane.append((_spawn([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodeids],
+                         folder / "report.txt", rootdir, {LANE_SWITCH: "lane"}), folder))
 
 
-def wait_lanes(stop: bool = False) -> dict[str, tuple[int, str]]:
-    """(exit code, report) of each lane started, by name, once it has ended (``stop``: ended now)."""
-    results = {}
-    while _lanes:
-        name, (lane, folder) = _lanes.popitem()
-        try:
-            if stop:
-                _interrupt(lane)
-            lane.wait()
-        except KeyboardInterrupt:  # Ctrl-C while the session waits for it: every lane ends
-            for process in [lane, *(other for other, _ in _lanes.values())]:
-                _interrupt(process)
-            raise
-        results[name] = lane.returncode, (folder / "report.txt").read_text()
-        shutil.rmtree(folder, ignore_errors=True)
-    return dict(reversed(results.items()))  # in the order they started
+def wait_lane(stop: bool = False) -> tuple[int, str] | None:
+    """(exit code, report) of the lane once it has ended (``stop``: ended now); None if none was started."""
+    if not _lane:
+        return None
+    lane, folder = _lane.pop()
+    try:
+        if stop:
+            _interrupt(lane)
+        lane.wait()
+    except KeyboardInterrupt:  # Ctrl-C while the session waits for it
+        _interrupt(lane)
+        raise
+    report = (folder / "report.txt").read_text()
+    shutil.rmtree(folder, ignore_errors=True)
+    return lane.returncode, report
 
 
 def _interrupt(process: subprocess.Popen) -> None:

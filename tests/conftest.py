@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 
 # Before torch loads OpenMP, which reads it once: idle threads sleep instead of spinning, in this process and in every
-# process the tests start (they inherit the environment). On two cores kept busy by the session and its lanes
-# (tests/background.py), spinning threads tripled a test's CPU time.
+# process the tests start (they inherit the environment). Spinning threads in the lane, at idle priority beside a busy
+# core, tripled a test's CPU time (tests/background.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from flows.prefect_env import apply_defaults  # noqa: E402
 
 apply_defaults()  # before Prefect is imported: the tests' Prefect client and server are set up as dmd2's
-_LANE_RESULTS = pytest.StashKey[dict[str, tuple[int, str]]]()
+_LANE_RESULT = pytest.StashKey[tuple[int, str] | None]()
 
 
 def _waited_for(item) -> list[str]:
@@ -33,14 +33,14 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_collection_finish(session):
-    """Start the lanes (tests/background.py) with their tests, and the background jobs that the tests left to run
+    """Start the lane (tests/background.py) with its tests, and the background jobs that the tests left to run
     here wait for: ``BACKGROUND_JOBS[name]`` (Python code) of the waiting test's module."""
     from tests import background
 
     if session.config.option.collectonly:
         return
-    for name, lane in background.split_lanes(session.items).items():
-        background.start_lane(name, [item.nodeid for item in lane], session.config.rootpath)
+    if lane := background.split_lane(session.items):
+        background.start_lane([item.nodeid for item in lane], session.config.rootpath)
     jobs = {name: item.module.BACKGROUND_JOBS[name] for item in session.items for name in _waited_for(item)}
     for name, code in jobs.items():
         background.start(name, code)
@@ -48,22 +48,22 @@ def pytest_collection_finish(session):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session):
-    """Wait for the lanes, whose failures fail the session; end the jobs."""
+    """Wait for the lane, whose failures fail the session; end the jobs."""
     from tests import background
 
     interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
-    session.config.stash[_LANE_RESULTS] = lanes = background.wait_lanes(stop=interrupted)
-    if any(code != 0 for code, _ in lanes.values()) and session.exitstatus == 0:
+    session.config.stash[_LANE_RESULT] = lane = background.wait_lane(stop=interrupted)
+    if lane is not None and lane[0] != 0 and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     background.stop_all()
 
 
 def pytest_unconfigure(config):
-    """Each lane's own report, after the session's whole report: its last line sums up the lane's tests."""
-    writer = config.get_terminal_writer()
-    for name, (code, report) in config.stash.get(_LANE_RESULTS, {}).items():
-        writer.sep("=", f"the {name}'s tests, run beside the others (tests/background.py): exit code {code}")
-        writer.write(report)
+    """The lane's own report, after the session's whole report: its last line sums up the lane's tests."""
+    if (lane := config.stash.get(_LANE_RESULT, None)) is not None:
+        writer = config.get_terminal_writer()
+        writer.sep("=", f"the lane's tests, run beside the others (tests/background.py): exit code {lane[0]}")
+        writer.write(lane[1])
 
 
 @pytest.fixture(scope="session")
